@@ -1,0 +1,3 @@
+from verl_core.cli import main
+
+raise SystemExit(main())

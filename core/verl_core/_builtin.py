@@ -1,0 +1,17 @@
+"""Core's own built-ins, registered through the same hooks as any third-party plugin."""
+
+from __future__ import annotations
+
+from verl_core.algos import catalog
+from verl_core.descriptors import AdvantageEstimator, PolicyLoss
+from verl_core.hookspecs import hookimpl
+
+
+@hookimpl
+def verl_advantage_estimators() -> list[AdvantageEstimator]:
+    return list(catalog.ADVANTAGE_ESTIMATORS)
+
+
+@hookimpl
+def verl_policy_losses() -> list[PolicyLoss]:
+    return list(catalog.POLICY_LOSSES)

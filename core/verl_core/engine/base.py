@@ -1,0 +1,194 @@
+"""The engine contract: what every backend implements, and what is built on top of it.
+
+An engine owns one model on one rank of a (possibly) distributed job: its parallel layout,
+optimiser, learning-rate schedule, offload and checkpoints. A backend implements the abstract
+methods; ``train_batch``, ``infer_batch`` and the mode contexts are written once, here.
+
+The loss contract (``LossFn``): ``loss_fn(model_output, micro_batch, dp_group) -> (loss, metrics)``
+is called once per micro-batch. ``micro_batch`` carries the global counts of the whole step (see
+``verl_core.engine.loss.global_counts``) so that the returned loss is already normalised by global
+token / sequence counts and by the DP size: summing the returned losses over micro-batches and
+ranks gives the full-batch loss, whatever the split.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Callable
+
+import attrs
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from verl_core.config.engine import EngineConfig
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+#: ``loss_fn(model_output, micro_batch, dp_group) -> (loss, metrics)``.
+LossFn = Callable[
+    ["dict[str, torch.Tensor]", TensorDict, "ProcessGroup | None"], "tuple[torch.Tensor, dict[str, Any]]"
+]
+
+#: Non-tensor keys of a batch that steer the forward pass.
+TEMPERATURE = "temperature"
+COMPUTE_ENTROPY = "compute_entropy"
+
+
+@attrs.define
+class ForwardBackwardResult:
+    """What ``forward_backward_batch`` returns on each rank.
+
+    ``outputs``: model outputs (``log_probs``, ``entropy``, ``values``) for this rank's batch, in the
+    batch's original order, or ``None`` on ranks that do not own outputs.
+    ``loss``: the full-batch loss, or ``None`` without a loss function. Each rank's micro-batch losses
+    are scaled by the DP size (to undo the gradient averaging of data parallelism), so this is their
+    sum over micro-batches and ranks divided by the DP size. ``metrics``: each loss-function metric, one entry per micro-batch.
+    """
+
+    outputs: TensorDict | None
+    loss: float | None = None
+    metrics: dict[str, list[float]] = attrs.field(factory=dict)
+
+
+class BaseEngine(abc.ABC):
+    """Base class of every engine backend. Construct through ``verl_core.engine.build_engine``."""
+
+    def __init__(self, config: EngineConfig, role: str = "lm"):
+        self.config = config
+        self.role = role
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def initialize(self) -> None:
+        """Build the model, wrap it for the parallel layout, build optimiser and LR schedule."""
+
+    @abc.abstractmethod
+    def set_model_mode(self, train: bool) -> None:
+        """Put the model in train or eval mode (dropout and the like)."""
+
+    @abc.abstractmethod
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+        """Move parameters, optimiser state and/or gradients to ``device`` (``"cpu"`` offloads)."""
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """The device this rank computes on."""
+
+    @contextlib.contextmanager
+    def train_mode(self) -> Iterator[BaseEngine]:
+        """Load what ``param_offload`` / ``optimizer_offload`` keep on CPU, train, offload again."""
+        with self._loaded(optimizer=True):
+            self.set_model_mode(True)
+            yield self
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[BaseEngine]:
+        """Load offloaded parameters (not the optimiser), run in eval mode, offload again."""
+        with self._loaded(optimizer=False):
+            self.set_model_mode(False)
+            yield self
+
+    @contextlib.contextmanager
+    def _loaded(self, optimizer: bool) -> Iterator[None]:
+        load_model = self.config.param_offload
+        load_optim = optimizer and self.config.optimizer_offload
+        if load_model or load_optim:
+            self.to(str(self.device), model=load_model, optimizer=load_optim, grad=load_model)
+        try:
+            yield
+        finally:
+            if load_model or load_optim:
+                self.to("cpu", model=load_model, optimizer=load_optim, grad=load_model)
+
+    # -- compute ---------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def forward_backward_batch(
+        self, batch: TensorDict, loss_fn: LossFn | None, forward_only: bool
+    ) -> ForwardBackwardResult:
+        """Split ``batch`` (this rank's share) into micro-batches, run forward (and backward unless
+        ``forward_only``), call ``loss_fn`` once per micro-batch, collect outputs in batch order."""
+
+    @abc.abstractmethod
+    def optimizer_zero_grad(self) -> None: ...
+
+    @abc.abstractmethod
+    def optimizer_step(self) -> float:
+        """Clip gradients to ``optim.clip_grad``, step the optimiser; return the global grad norm
+        (before clipping). A non-finite norm skips the step."""
+
+    @abc.abstractmethod
+    def lr_scheduler_step(self) -> float:
+        """Advance the LR schedule by one step; return the new learning rate."""
+
+    @abc.abstractmethod
+    def get_lr(self) -> float:
+        """The learning rate the next optimiser step uses."""
+
+    def train_batch(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, float]:
+        """One optimiser step on ``batch``: zero grad, forward/backward, clip, step, LR step.
+
+        Returns ``loss`` (global), ``grad_norm``, ``lr`` (the rate this step used) and the mean of
+        each loss-function metric over micro-batches.
+        """
+        self.optimizer_zero_grad()
+        result = self.forward_backward_batch(batch, loss_fn, forward_only=False)
+        lr = self.get_lr()
+        grad_norm = self.optimizer_step()
+        self.lr_scheduler_step()
+        metrics = {name: sum(values) / len(values) for name, values in result.metrics.items() if values}
+        metrics.update(loss=result.loss, grad_norm=grad_norm, lr=lr)
+        return metrics
+
+    @torch.no_grad()
+    def infer_batch(self, batch: TensorDict, loss_fn: LossFn | None = None) -> ForwardBackwardResult:
+        """Forward only: log-probs (and entropy when ``compute_entropy``) or values for ``batch``."""
+        return self.forward_backward_batch(batch, loss_fn, forward_only=True)
+
+    # -- weights and checkpoints -----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield every weight as a full (unsharded) tensor under its Hugging Face name, in the order
+        of the Hugging Face state dict. Used for weight sync to the rollout."""
+
+    @abc.abstractmethod
+    def save_checkpoint(self, path: str, global_step: int = 0) -> None:
+        """Save model, optimiser and LR-schedule state to the directory ``path``, atomically: a
+        crash mid-save leaves no directory at ``path`` that ``load_checkpoint`` would trust."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, path: str) -> int:
+        """Restore what ``save_checkpoint`` wrote; return its global step."""
+
+    @abc.abstractmethod
+    def save_hf_model(self, path: str) -> None:
+        """Write a Hugging Face directory (config + safetensors) that ``from_pretrained`` loads."""
+
+    # -- topology --------------------------------------------------------------------------------
+
+    @property
+    def dp_group(self) -> ProcessGroup | None:
+        """The data-parallel process group (``None`` when not distributed)."""
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+    @property
+    def dp_size(self) -> int:
+        group = self.dp_group
+        return dist.get_world_size(group) if group is not None else 1
+
+    @property
+    def dp_rank(self) -> int:
+        group = self.dp_group
+        return dist.get_rank(group) if group is not None else 0
+
+    @property
+    def is_output_rank(self) -> bool:
+        """Whether this rank holds model outputs (all DP ranks do; with TP/PP only some)."""
+        return True

@@ -1,0 +1,43 @@
+"""Exceptions raised by verl-core. Every message names what is wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class VerlCoreError(Exception):
+    """Base class of all verl-core errors."""
+
+
+class PluginError(VerlCoreError):
+    """A plugin could not be loaded or returned something invalid."""
+
+
+class PluginLoadError(PluginError):
+    """A plugin module raised while being imported."""
+
+
+class PluginValidationError(PluginError):
+    """A plugin implements a hook that does not exist, or a hook returned the wrong type."""
+
+
+class DuplicateNameError(PluginError):
+    """Two plugins provide the same name without an explicit override."""
+
+
+class ApiVersionError(PluginError):
+    """A backend targets an engine API version core does not speak."""
+
+
+class UnknownNameError(VerlCoreError, LookupError):
+    """A backend, estimator, loss, ... name that no installed plugin provides."""
+
+
+class ConfigError(VerlCoreError, ValueError):
+    """A configuration is invalid. ``errors`` holds every problem as ``(dotted.path, message)``."""
+
+    def __init__(self, errors: list[tuple[str, str]], source: str | None = None):
+        self.errors = list(errors)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = [f"{len(self.errors)} error(s) in the configuration{where}:"]
+        lines += [f"  {path}: {message}" if path else f"  {message}" for path, message in self.errors]
+        super().__init__("\n".join(lines))

@@ -1,0 +1,50 @@
+"""The plugin contract: every hook a verl-core plugin may implement.
+
+Each hook takes no arguments and returns a list of descriptors (see ``verl_core.descriptors``);
+core collects them, attributes each to the plugin and distribution that returned it, and refuses
+duplicates, wrong types and incompatible API versions. Hooks must be cheap: return descriptors
+that name heavy objects by import string, and import nothing heavy at module level.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+from verl_core.descriptors import (
+    AdvantageEstimator,
+    EngineBackend,
+    PolicyLoss,
+    RewardFunction,
+    RolloutBackend,
+)
+
+PROJECT_NAME = "verl_core"
+ENTRY_POINT_GROUP = "verl_core.plugins"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def verl_engine_backends() -> list[EngineBackend]:
+    """Return the engine backends this plugin provides."""
+
+
+@hookspec
+def verl_advantage_estimators() -> list[AdvantageEstimator]:
+    """Return the advantage estimators this plugin provides (selected by ``algorithm.adv_estimator``)."""
+
+
+@hookspec
+def verl_policy_losses() -> list[PolicyLoss]:
+    """Return the policy losses this plugin provides (selected by ``actor.policy_loss.loss_mode``)."""
+
+
+@hookspec
+def verl_rollout_backends() -> list[RolloutBackend]:
+    """Return the rollout backends this plugin provides (selected by ``rollout.backend``)."""
+
+
+@hookspec
+def verl_reward_functions() -> list[RewardFunction]:
+    """Return the reward functions this plugin provides (selected by ``reward.function``)."""

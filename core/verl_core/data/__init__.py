@@ -1,0 +1,1 @@
+"""The batch contract (verl's key names), global counts, micro-batching."""

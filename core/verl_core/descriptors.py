@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib
 import re
-from typing import Any, Callable, Literal, Union
+from collections.abc import Callable
+from typing import Any, Literal
 
 import attrs
 
@@ -26,7 +27,7 @@ DEVICES: tuple[str, ...] = ("cpu", "cuda", "npu", "xpu", "mps")
 _NAME = re.compile(r"^[a-z][a-z0-9_\-.]*$")
 _IMPORT_STRING = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
-Loadable = Union[str, Callable[..., Any], type]
+Loadable = str | Callable[..., Any] | type
 
 
 def load_object(target: Loadable) -> Any:
@@ -122,15 +123,38 @@ class _Function:
 
 @attrs.frozen
 class AdvantageEstimator(_Function):
-    """An advantage estimator: ``function(batch-like tensors, config) -> (advantages, returns)``.
+    """An advantage estimator, selected by ``algorithm.adv_estimator``. ``function`` is called as::
 
-    The exact signature is documented in docs/algorithms.md.
+        function(*, token_level_rewards, response_mask, index=None, values=None,
+                 config: AlgorithmConfig, **optional_inputs) -> (advantages, returns)
+
+    Tensors are padded ``[batch, response_len]``; ``response_mask`` is 1 on tokens the policy
+    produced. ``index`` holds each sample's group id (the batch's ``uid``: hashables or an int
+    tensor), ``values`` the critic's values; ``config`` is the ``algorithm`` section (plugin options
+    in ``config.extra``). ``optional_inputs`` are further batch keys (``reward_baselines`` for ReMax);
+    an estimator must accept and ignore the ones it does not use (end its signature with ``**_``).
+    Both outputs are ``[batch, response_len]`` and zero where ``response_mask`` is 0. See
+    ``verl_core.algos.advantage`` and docs/algorithms.md.
     """
 
 
 @attrs.frozen
 class PolicyLoss(_Function):
-    """A policy loss: ``function(...) -> (per-token loss, metrics)``; see docs/algorithms.md."""
+    """A policy loss, selected by ``actor.policy_loss.loss_mode``. ``function`` is called as::
+
+        function(*, old_log_prob, log_prob, advantages, response_mask, config: PolicyLossConfig,
+                 counts: GlobalCounts, rollout_log_probs=None) -> (loss, metrics)
+
+    Tensors are padded ``[batch, response_len]`` (one micro-batch); ``log_prob`` carries the
+    gradient; ``rollout_log_probs`` (the rollout engine's log-probs, may be ``None``) feeds the
+    truncated importance weights enabled by ``config.rollout_is_cap``. ``config`` is the actor's
+    ``policy_loss`` section (plugin options in ``config.extra``); ``counts`` are the step's global
+    counts. ``loss`` is a scalar tensor, this micro-batch's share of the step's loss: aggregate the
+    per-token loss with ``verl_core.algos.aggregation.agg_loss(loss_mat, response_mask,
+    config.loss_agg_mode, counts)`` so that the result does not depend on how the step is split into
+    micro-batches and ranks. ``metrics`` maps names (``actor/ppo_kl``, ``actor/pg_clipfrac``, ...) to
+    floats. See ``verl_core.algos.policy_loss`` and docs/algorithms.md.
+    """
 
 
 @attrs.frozen

@@ -1,0 +1,182 @@
+"""The ``verl-core`` command (also ``python -m verl_core``).
+
+``verl-core plugins`` lists the installed plugins and what they provide, broken ones included; it
+imports no torch, cattrs, yaml or backend so that it answers fast. ``verl-core config`` prints a
+fully resolved configuration as YAML, or every validation error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from verl_core import __version__
+from verl_core.plugins import Entry, PluginInfo, Registry, get_registry
+
+#: Keys of one ``verl-core plugins --json`` row, in table order (the table leaves out api_version).
+BACKEND_COLUMNS = (
+    "plugin",
+    "backend",
+    "distribution",
+    "version",
+    "devices",
+    "roles",
+    "api_version",
+    "status",
+    "error",
+)
+#: Keys of one row of the other registries (``--all``).
+ENTRY_COLUMNS = ("name", "plugin", "distribution", "version", "status", "description", "error")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse exits on usage errors (2) and after --help (0)
+        return exit_.code if isinstance(exit_.code, int) else 2
+    if args.run is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # the reader went away (`verl-core plugins | head`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verl-core", description="Plugin-extensible RL post-training.")
+    parser.add_argument("--version", action="version", version=f"verl-core {__version__}")
+    parser.set_defaults(run=None)
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    plugins = commands.add_parser(
+        "plugins",
+        help="list installed plugins and their engine backends",
+        description="List every plugin (broken and blocked ones too) with its engine backends. "
+        "Exits 0 even when some plugin is broken: this is a diagnostic.",
+    )
+    plugins.add_argument("--json", action="store_true", help="print the rows as JSON")
+    plugins.add_argument(
+        "--all", action="store_true", help="also list advantage estimators, policy losses, rollouts, rewards"
+    )
+    plugins.set_defaults(run=_run_plugins)
+
+    config = commands.add_parser(
+        "config",
+        help="print the fully resolved configuration as YAML",
+        description="Merge the YAML FILES in order, apply the dotted overrides, validate, and print the "
+        "result as YAML; on invalid input print every error and exit 2. Positional arguments "
+        "containing '=' are overrides; -o overrides apply after them.",
+    )
+    config.add_argument("items", nargs="*", metavar="FILE|KEY=VALUE", help="YAML files and dotted overrides")
+    config.add_argument(
+        "-o", "--override", action="append", default=[], metavar="KEY=VALUE", help="a dotted override"
+    )
+    config.set_defaults(run=_run_config)
+    return parser
+
+
+# -- verl-core plugins ----------------------------------------------------------------------------
+
+
+def _run_plugins(args: argparse.Namespace) -> int:
+    registry = get_registry()
+    tables = {"engine_backends": backend_rows(registry)}
+    if args.all:
+        tables.update(
+            {kind: entry_rows(registry, kind) for kind in registry.kinds if kind != "engine_backends"}
+        )
+    if args.json:
+        document = tables if args.all else tables["engine_backends"]
+        print(json.dumps(document, indent=2))
+        return 0
+    blocks = [format_table(tables.pop("engine_backends"), [c for c in BACKEND_COLUMNS if c != "api_version"])]
+    blocks += [f"{kind}:\n" + format_table(rows, ENTRY_COLUMNS) for kind, rows in tables.items()]
+    print("\n\n".join(blocks))
+    return 0
+
+
+def backend_rows(registry: Registry) -> list[dict[str, Any]]:
+    """One row per engine backend; a plugin without backends (or broken, or blocked) gets one row
+    with an empty backend, so that every plugin appears."""
+    backends = registry.entries("engine_backends")
+    rows = []
+    for info in registry.plugins:
+        provided = [entry for entry in backends if entry.plugin == info.name] if info.status == "ok" else []
+        rows += [_backend_row(info, entry) for entry in provided] or [_backend_row(info, None)]
+    return rows
+
+
+def _backend_row(info: PluginInfo, entry: Entry | None) -> dict[str, Any]:
+    backend = entry.descriptor if entry else None
+    return {
+        "plugin": info.name,
+        "backend": backend.name if backend else None,
+        "distribution": info.distribution,
+        "version": info.version,
+        "devices": list(backend.devices) if backend else [],
+        "roles": list(backend.roles) if backend else [],
+        "api_version": backend.api_version if backend else None,
+        "status": entry.status if entry else info.status,
+        "error": entry.error if entry else info.error,
+    }
+
+
+def entry_rows(registry: Registry, kind: str) -> list[dict[str, Any]]:
+    """One row per descriptor of ``kind`` (``--all``)."""
+    return [
+        {
+            "name": entry.name,
+            "plugin": entry.plugin,
+            "distribution": entry.distribution,
+            "version": entry.version,
+            "status": entry.status,
+            "description": entry.descriptor.description,
+            "error": entry.error,
+        }
+        for entry in registry.entries(kind)
+    ]
+
+
+def format_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A plain-text table: a header, then one line per row; lists are comma-joined, None is empty."""
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return ""
+        if isinstance(value, list):
+            return ",".join(map(str, value))
+        return " ".join(str(value).split())  # one line per row, even for multi-line errors
+
+    lines = [list(columns)] + [[cell(row[column]) for column in columns] for row in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
+    return "\n".join(
+        "  ".join(text.ljust(width) for text, width in zip(line, widths, strict=True)).rstrip()
+        for line in lines
+    )
+
+
+# -- verl-core config -----------------------------------------------------------------------------
+
+
+def _run_config(args: argparse.Namespace) -> int:
+    # The loader imports cattrs and yaml: only this command pays for them.
+    from verl_core.config import dump_yaml, load_config
+    from verl_core.errors import ConfigError
+
+    paths = [item for item in args.items if "=" not in item]
+    overrides = [item for item in args.items if "=" in item] + args.override
+    try:
+        config = load_config(paths, overrides)
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
+    sys.stdout.write(dump_yaml(config))
+    return 0

@@ -1,0 +1,250 @@
+"""The ``verl-core`` command line: ``plugins`` (table, JSON, exit codes, light imports) and ``config``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from fixtures.fake_dist import backends_plugin, fake_distributions
+
+import verl_core.config
+from verl_core import ENGINE_API_VERSION
+from verl_core.cli import BACKEND_COLUMNS, main
+from verl_core.errors import ConfigError
+from verl_core.plugins import ENV_BLOCK, ENV_DISABLE_AUTOLOAD, ENV_PLUGINS, ENV_TRACE, get_registry
+
+BROKEN = "raise ImportError('needs a library that is not installed')"
+HEAVY_MODULES = ("torch", "cattrs", "yaml", "transformers", "megatron")
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch):
+    for variable in (ENV_BLOCK, ENV_DISABLE_AUTOLOAD, ENV_PLUGINS, ENV_TRACE):
+        monkeypatch.delenv(variable, raising=False)
+
+
+@pytest.fixture
+def installed(tmp_path, monkeypatch):
+    """Fake distributions: two backends (one speaking another engine API), a broken and a blocked plugin."""
+    with fake_distributions(tmp_path) as dists:
+        dists.add("good-dist", "0.2", {"good": backends_plugin("gddp", "gfsdp2")})
+        dists.add(
+            "old-dist",
+            "0.1",
+            {"old": backends_plugin("gold", api_version=0, devices=("cpu",), roles=("lm",))},
+        )
+        dists.add("broken-dist", "1.0", {"broken": BROKEN})
+        dists.add("blocked-dist", "1.0", {"blocked": BROKEN})
+        monkeypatch.setenv(ENV_BLOCK, "blocked-dist")
+        get_registry(refresh=True)
+        yield dists
+    get_registry(refresh=True)  # forget the fake plugins
+
+
+def run_json(capsys, *argv: str) -> object:
+    assert main(["plugins", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_rows_one_per_backend_and_one_per_plugin_without_backends(installed, capsys):
+    rows = [
+        row for row in run_json(capsys) if row["plugin"] in ("verl_core", "good", "old", "broken", "blocked")
+    ]
+    assert all(list(row) == list(BACKEND_COLUMNS) for row in rows)
+    empty = {"backend": None, "devices": [], "roles": [], "api_version": None}
+    assert rows[0] == {"plugin": "verl_core", "distribution": "verl-core", "version": "0.1.0", **empty} | {
+        "status": "ok",
+        "error": None,
+    }
+    good = {"plugin": "good", "distribution": "good-dist", "version": "0.2", "devices": ["cpu", "cuda"]}
+    good |= {"roles": ["lm", "value"], "api_version": ENGINE_API_VERSION, "status": "ok", "error": None}
+    by_key = {(row["plugin"], row["backend"]): row for row in rows}
+    assert by_key["good", "gddp"] == good | {"backend": "gddp"}
+    assert by_key["good", "gfsdp2"] == good | {"backend": "gfsdp2"}
+    old = by_key["old", "gold"]
+    assert (old["devices"], old["roles"], old["api_version"], old["status"]) == (
+        ["cpu"],
+        ["lm"],
+        0,
+        "incompatible",
+    )
+    assert f"speaks engine API version {ENGINE_API_VERSION}" in old["error"]
+    assert "Upgrade old-dist (pip install -U old-dist)" in old["error"]
+    broken = by_key["broken", None]
+    assert (broken["distribution"], broken["version"], broken["status"]) == ("broken-dist", "1.0", "broken")
+    assert "ImportError: needs a library that is not installed" in broken["error"]
+    blocked = by_key["blocked", None]
+    assert (blocked["status"], blocked["error"]) == ("blocked", f"blocked by {ENV_BLOCK}")
+
+
+def test_table_has_the_same_rows_with_empty_backend_cells(installed, capsys):
+    assert main(["plugins"]) == 0
+    header, *lines = capsys.readouterr().out.splitlines()
+    assert header.split() == [
+        "plugin",
+        "backend",
+        "distribution",
+        "version",
+        "devices",
+        "roles",
+        "status",
+        "error",
+    ]
+    backend_column = slice(header.index("backend"), header.index("distribution"))
+    lines_by_plugin: dict[str, list[str]] = {}
+    for line in lines:
+        lines_by_plugin.setdefault(line.split()[0], []).append(line)
+    assert [line[backend_column].strip() for line in lines_by_plugin["good"]] == ["gddp", "gfsdp2"]
+    assert lines_by_plugin["good"][0].split() == [
+        "good",
+        "gddp",
+        "good-dist",
+        "0.2",
+        "cpu,cuda",
+        "lm,value",
+        "ok",
+    ]
+    without_backend = {
+        "verl_core": ["verl-core", "0.1.0", "ok"],
+        "broken": ["broken-dist", "1.0", "broken"],
+        "blocked": ["blocked-dist", "1.0", "blocked"],
+    }
+    for plugin, cells in without_backend.items():
+        (line,) = lines_by_plugin[plugin]
+        assert line[backend_column].strip() == ""
+        assert line.split()[1:4] == cells
+    assert "ImportError: needs a library that is not installed" in lines_by_plugin["broken"][0]
+
+
+def test_all_lists_every_registry(installed, capsys):
+    document = run_json(capsys, "--all")
+    registry = get_registry()
+    assert list(document) == registry.kinds
+    for kind in registry.kinds[1:]:
+        assert [row["name"] for row in document[kind]] == [entry.name for entry in registry.entries(kind)]
+    assert main(["plugins", "--all"]) == 0
+    assert "\nadvantage_estimators:\nname" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [([], 2), (["plugins", "--bogus"], 2), (["nonsense"], 2), (["--version"], 0), (["plugins", "--help"], 0)],
+)
+def test_exit_codes(argv, code, capsys):
+    assert main(argv) == code
+
+
+def test_listing_in_a_fresh_process_imports_nothing_heavy(tmp_path):
+    with fake_distributions(tmp_path) as dists:
+        dists.add("light-dist", "0.5", {"light": backends_plugin("light")})
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(dists.site), os.environ.get("PYTHONPATH", "")]),
+        }
+        result = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "verl_core", "plugins", "--json"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            check=True,
+        )
+    assert "light" in [row["backend"] for row in json.loads(result.stdout)]
+    imported = {
+        line.rsplit("|", 1)[-1].strip()
+        for line in result.stderr.splitlines()
+        if line.startswith("import time:")
+    }
+    assert "verl_core.plugins" in imported  # the trace is real
+    heavy = sorted(module for module in imported if module.split(".")[0] in HEAVY_MODULES)
+    assert heavy == [], f"`verl-core plugins` imported {heavy}"
+
+
+# -- verl-core config ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_loader(monkeypatch):
+    """Stand-ins for the config loader, recording how the command calls it."""
+    calls = []
+
+    def load_config(paths, overrides):
+        calls.append((list(paths), list(overrides)))
+        if any(o.startswith("bad") for o in overrides):
+            raise ConfigError(
+                [("actor.engine.backend", "unknown engine backend 'bad'"), ("data.x", "unknown key")]
+            )
+        return {"paths": paths, "overrides": overrides}
+
+    monkeypatch.setattr(verl_core.config, "load_config", load_config, raising=False)
+    monkeypatch.setattr(verl_core.config, "dump_yaml", lambda cfg: f"resolved: {cfg}\n", raising=False)
+    return calls
+
+
+def test_config_passes_files_and_overrides_and_prints_yaml(fake_loader, capsys):
+    assert (
+        main(["config", "a.yaml", "b.yaml", "trainer.seed=3", "-o", "rollout.n=4", "--override", "x.y=z"])
+        == 0
+    )
+    assert fake_loader == [(["a.yaml", "b.yaml"], ["trainer.seed=3", "rollout.n=4", "x.y=z"])]
+    assert capsys.readouterr().out.startswith("resolved: {'paths': ['a.yaml', 'b.yaml']")
+
+
+def test_config_errors_go_to_stderr_with_exit_2(fake_loader, capsys):
+    assert main(["config", "run.yaml", "-o", "bad=1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "2 error(s) in the configuration" in captured.err
+    assert "  actor.engine.backend: unknown engine backend 'bad'" in captured.err
+    assert "  data.x: unknown key" in captured.err
+
+
+OPTIONS_PLUGIN = """
+    import attrs
+    from verl_core import EngineBackend, hookimpl
+
+    @attrs.define
+    class Options:
+        bucket_mb: int = 25
+
+    @hookimpl
+    def verl_engine_backends():
+        return [EngineBackend(name="fakeeng", engine="fakeeng_plugin:Options", config="fakeeng_plugin:Options")]
+"""
+
+
+@pytest.fixture
+def run_yaml(tmp_path):
+    """A run config selecting a backend of a fake distribution, with the real config loader."""
+    with fake_distributions(tmp_path) as dists:
+        dists.add("fakeeng-dist", "0.1", {"fakeeng": OPTIONS_PLUGIN})
+        get_registry(refresh=True)
+        path = tmp_path / "run.yaml"
+        path.write_text(
+            "actor:\n  engine:\n    backend: fakeeng\n    fakeeng: {bucket_mb: 50}\n    model: {path: /models/tiny}\n"
+            "algorithm: {adv_estimator: grpo}\n"
+        )
+        yield path
+    get_registry(refresh=True)
+
+
+def test_config_with_the_real_loader_prints_the_resolved_yaml(run_yaml, capsys):
+    import yaml
+
+    assert main(["config", str(run_yaml), "trainer.seed=7", "-o", "rollout.n=4"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["actor"]["engine"]["fakeeng"] == {"bucket_mb": 50}
+    assert (resolved["trainer"]["seed"], resolved["rollout"]["n"]) == (7, 4)
+    assert resolved["actor"]["engine"]["optim"]["lr"] == 1e-6  # defaults filled in
+
+
+def test_config_with_the_real_loader_reports_every_error(run_yaml, capsys):
+    assert main(["config", str(run_yaml), "actor.engine.fakeeng.bucket_mbb=3", "-o", "rollout.n=0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert f"2 error(s) in the configuration in {run_yaml}:" in captured.err
+    assert "  actor.engine.fakeeng.bucket_mbb: unknown key (did you mean bucket_mb?)" in captured.err
+    assert "  rollout.n: " in captured.err

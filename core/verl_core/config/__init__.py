@@ -1,5 +1,43 @@
-"""Configuration: attrs classes, YAML loading, dotted overrides, validation with full paths."""
+"""Configuration: attrs classes, YAML loading, dotted overrides, validation with full paths.
 
+``load_config(paths, overrides)`` builds a ``RunConfig``; ``structure`` / ``unstructure`` convert
+any config class from and to plain data; ``dump_yaml`` writes what ``load_config`` reads back.
+docs/config.md documents every section and key. Importing this package does not import torch.
+"""
+
+from verl_core.config.algorithm import AlgorithmConfig, CriticLossConfig, KLControlConfig, PolicyLossConfig
+from verl_core.config.convert import structure, unstructure
 from verl_core.config.engine import EngineConfig, MicroBatchConfig, ModelConfig, OptimConfig
+from verl_core.config.loading import dump_yaml, load_config, parse_override
+from verl_core.config.run import (
+    ActorConfig,
+    CriticConfig,
+    DataConfig,
+    RefConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainerConfig,
+)
 
-__all__ = ["EngineConfig", "MicroBatchConfig", "ModelConfig", "OptimConfig"]
+__all__ = [
+    "ActorConfig",
+    "AlgorithmConfig",
+    "CriticConfig",
+    "CriticLossConfig",
+    "DataConfig",
+    "EngineConfig",
+    "KLControlConfig",
+    "MicroBatchConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PolicyLossConfig",
+    "RefConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "TrainerConfig",
+    "dump_yaml",
+    "load_config",
+    "parse_override",
+    "structure",
+    "unstructure",
+]

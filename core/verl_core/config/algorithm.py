@@ -6,16 +6,23 @@ from typing import Any, Literal
 
 import attrs
 
+from verl_core.config.validators import greater_than, non_negative, positive, unit_interval
+
+#: How per-token losses become one number; ``verl_core.algos.aggregation`` documents each mode.
+LossAggMode = Literal[
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+
 
 @attrs.define
 class KLControlConfig:
     """KL-in-reward coefficient controller: ``fixed``, or ``adaptive`` (Ziegler et al. 2019)."""
 
     type: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: float = 0.001
+    kl_coef: float = attrs.field(default=0.001, validator=non_negative)
     #: Adaptive controller only: the KL it steers towards, and its horizon in samples.
-    target_kl: float = 0.1
-    horizon: int = 10000
+    target_kl: float = attrs.field(default=0.1, validator=positive)
+    horizon: int = attrs.field(default=10000, validator=positive)
 
 
 @attrs.define
@@ -24,8 +31,8 @@ class AlgorithmConfig:
 
     #: Name of a registered advantage estimator (``verl-core plugins`` lists them).
     adv_estimator: str = "gae"
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = attrs.field(default=1.0, validator=unit_interval)
+    lam: float = attrs.field(default=1.0, validator=unit_interval)
     #: GRPO: divide by the group's std (False gives Dr.GRPO).
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
@@ -41,19 +48,31 @@ class PolicyLossConfig:
 
     #: Name of a registered policy loss; ``vanilla`` is PPO's clipped surrogate.
     loss_mode: str = "vanilla"
-    loss_agg_mode: str = "token-mean"
-    clip_ratio: float = 0.2
+    loss_agg_mode: LossAggMode = "token-mean"
+    clip_ratio: float = attrs.field(default=0.2, validator=non_negative)
     #: Asymmetric clipping (DAPO's clip-higher); ``None`` falls back to ``clip_ratio``.
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
+    clip_ratio_low: float | None = attrs.field(default=None, validator=non_negative)
+    clip_ratio_high: float | None = attrs.field(default=None, validator=non_negative)
     #: Dual-clip lower bound for negative advantages (must be > 1).
-    clip_ratio_c: float = 3.0
-    entropy_coeff: float = 0.0
+    clip_ratio_c: float = attrs.field(default=3.0, validator=greater_than(1))
+    entropy_coeff: float = attrs.field(default=0.0, validator=non_negative)
     use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = attrs.field(default=0.001, validator=non_negative)
     kl_loss_type: str = "low_var_kl"
     #: Truncated importance weights from rollout log-probs: cap of the weight, ``None`` disables.
-    rollout_is_cap: float | None = None
+    rollout_is_cap: float | None = attrs.field(default=None, validator=positive)
+    #: Clip-Cov: fraction of tokens to detach, and the covariance band they are drawn from.
+    clip_cov_ratio: float = attrs.field(default=0.0002, validator=unit_interval)
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    #: KL-Cov: fraction of highest-covariance tokens that get the |log-ratio| penalty, and its weight.
+    kl_cov_ratio: float = attrs.field(default=0.0002, validator=unit_interval)
+    ppo_kl_coef: float = attrs.field(default=1.0, validator=non_negative)
+    #: SAPO: temperatures of the soft gate for positive and negative advantages.
+    tau_pos: float = attrs.field(default=1.0, validator=positive)
+    tau_neg: float = attrs.field(default=1.05, validator=positive)
+    #: DRO: weight of the quadratic log-ratio penalty.
+    dro_beta: float = attrs.field(default=1.0, validator=non_negative)
     #: Options for plugin-provided losses, passed through untouched.
     extra: dict[str, Any] = attrs.field(factory=dict)
 
@@ -62,5 +81,5 @@ class PolicyLossConfig:
 class CriticLossConfig:
     """The critic's clipped value loss."""
 
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
+    cliprange_value: float = attrs.field(default=0.5, validator=positive)
+    loss_agg_mode: LossAggMode = "token-mean"

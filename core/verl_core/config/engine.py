@@ -6,12 +6,14 @@ from typing import Any, Literal
 
 import attrs
 
+from verl_core.config.validators import each, in_range, non_empty, non_negative, positive, unit_interval
+
 
 @attrs.define
 class ModelConfig:
     """The Hugging Face model an engine owns, loaded from a local directory (``save_pretrained`` layout)."""
 
-    path: str
+    path: str = attrs.field(validator=non_empty)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
@@ -22,18 +24,20 @@ class ModelConfig:
 class OptimConfig:
     """AdamW with gradient clipping and a warmup + decay learning-rate schedule."""
 
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
+    lr: float = attrs.field(default=1e-6, validator=non_negative)
+    betas: tuple[float, float] = attrs.field(
+        default=(0.9, 0.999), validator=each(in_range(0, 1, include_high=False))
+    )
+    eps: float = attrs.field(default=1e-8, validator=positive)
+    weight_decay: float = attrs.field(default=0.01, validator=non_negative)
     #: Clip the global gradient norm to this value; 0 disables clipping (the norm is still reported).
-    clip_grad: float = 1.0
-    lr_warmup_steps: int = 0
+    clip_grad: float = attrs.field(default=1.0, validator=non_negative)
+    lr_warmup_steps: int = attrs.field(default=0, validator=non_negative)
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     #: Final learning rate of the decay, as a fraction of ``lr``.
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = attrs.field(default=0.0, validator=unit_interval)
     #: Length of the decay; the trainer fills it in from the run length when left at 0.
-    total_steps: int = 0
+    total_steps: int = attrs.field(default=0, validator=non_negative)
 
 
 @attrs.define
@@ -41,11 +45,11 @@ class MicroBatchConfig:
     """How an engine splits its share of a batch into micro-batches (gradient accumulation)."""
 
     #: Sequences per micro-batch on each rank (ignored when ``use_dynamic_bsz``).
-    micro_batch_size: int = 1
+    micro_batch_size: int = attrs.field(default=1, validator=positive)
     #: Split by a token budget instead of a sequence count.
     use_dynamic_bsz: bool = False
     #: Token budget per micro-batch on each rank (counts ``attention_mask`` tokens).
-    max_token_len: int = 8192
+    max_token_len: int = attrs.field(default=8192, validator=positive)
 
 
 @attrs.define

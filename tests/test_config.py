@@ -1,0 +1,550 @@
+"""Loading run configs: YAML files, dotted overrides, backend options, and the errors they report.
+
+Every error test asserts the full dotted path and the words that tell the user the fix. The round
+trip properties over generated configs are in test_config_roundtrip.py.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+import typing
+from pathlib import Path
+from typing import Literal
+
+import attrs
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+from verl_core import EngineBackend, hookimpl
+from verl_core.config import (
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    CriticLossConfig,
+    DataConfig,
+    EngineConfig,
+    KLControlConfig,
+    MicroBatchConfig,
+    ModelConfig,
+    OptimConfig,
+    PolicyLossConfig,
+    RefConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainerConfig,
+    dump_yaml,
+    load_config,
+    parse_override,
+    structure,
+    unstructure,
+)
+from verl_core.config.algorithm import LossAggMode
+from verl_core.config.validators import InvalidValue
+from verl_core.errors import ConfigError
+from verl_core.plugins import Registry, get_registry
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@attrs.define
+class ToyOptions:
+    bucket_cap_mb: int = attrs.field(default=25, validator=attrs.validators.gt(0))
+    mode: Literal["sync", "async"] = "sync"
+
+
+@attrs.define
+class OtherOptions:
+    shards: int = 1
+
+
+class ToyPlugin:
+    @staticmethod
+    @hookimpl
+    def verl_engine_backends() -> list[EngineBackend]:
+        return [
+            EngineBackend(name="toy", engine="toy_engines:ToyEngine", config=ToyOptions),
+            EngineBackend(name="other", engine="toy_engines:OtherEngine", config=OtherOptions),
+        ]
+
+
+REGISTRY = Registry.from_plugins([ToyPlugin])
+
+VALID = """\
+actor:
+  engine:
+    backend: toy
+    toy: {bucket_cap_mb: 10}
+    model: {path: /models/tiny}
+    optim: {lr: 1e-5}
+  ppo_mini_batch_size: 4
+algorithm: {adv_estimator: grpo}
+rollout: {n: 2}
+data: {train_batch_size: 8, train_files: [a.jsonl, b.jsonl]}
+"""
+
+
+def write(directory: Path, name: str, text: str) -> str:
+    path = directory / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def load(tmp_path: Path, text: str = VALID, overrides: typing.Iterable[str] = ()) -> RunConfig:
+    return load_config([write(tmp_path, "run.yaml", text)], overrides, registry=REGISTRY)
+
+
+def errors_of(tmp_path: Path, text: str = VALID, overrides: typing.Iterable[str] = ()) -> dict[str, str]:
+    with pytest.raises(ConfigError) as caught:
+        load(tmp_path, text, overrides)
+    paths = [path for path, _ in caught.value.errors]
+    assert len(paths) == len(set(paths)), f"one error per path: {caught.value}"
+    return dict(caught.value.errors)
+
+
+# -- loading --------------------------------------------------------------------------------------
+
+
+def test_yaml_file_gives_the_sections_with_backend_options_and_defaults(tmp_path):
+    config = load(tmp_path)
+    engine = config.actor.engine
+    assert engine == EngineConfig(
+        backend="toy",
+        model=ModelConfig(path="/models/tiny"),
+        options=ToyOptions(bucket_cap_mb=10),
+        optim=OptimConfig(lr=1e-5),
+    )
+    assert type(engine.optim.lr) is float  # YAML 1.2: 1e-5 is a float, not the string "1e-5"
+    assert config.data.train_files == ["a.jsonl", "b.jsonl"]
+    assert config.critic == CriticConfig() and config.actor.policy_loss == PolicyLossConfig()
+    assert config.ref_engine is engine  # no ref.engine: the reference uses the actor's
+
+
+def test_absent_options_section_gives_the_backend_defaults(tmp_path):
+    config = load(tmp_path, VALID.replace("    toy: {bucket_cap_mb: 10}\n", ""))
+    assert config.actor.engine.options == ToyOptions()
+
+
+def test_overrides_set_scalars_null_lists_items_and_new_sections(tmp_path):
+    base = VALID + "trainer: {total_training_steps: 5, resume_from_path: /ckpt}\n"
+    config = load(
+        tmp_path,
+        base,
+        [
+            "actor.engine.optim.lr=3e-4",
+            "rollout.temperature=0.7",
+            "data.shuffle=false",
+            "trainer.total_training_steps=null",
+            "trainer.resume_from_path=",
+            "trainer.logger=[console, jsonl]",
+            "data.train_files[0]=c.jsonl",
+            "data.train_files[2]=d.jsonl",
+            "data.val_files[0]=v.jsonl",
+            "ref.engine={backend: other, model: {path: /models/ref}}",
+            "actor.engine.toy.mode=async",
+            "actor.engine.model.path=/models/x=y",  # only the first '=' separates key and value
+        ],
+    )
+    assert config.actor.engine.optim.lr == 3e-4
+    assert config.rollout.temperature == 0.7
+    assert config.data.shuffle is False
+    assert config.trainer.total_training_steps is None and config.trainer.resume_from_path is None
+    assert config.trainer.logger == ["console", "jsonl"]
+    assert config.data.train_files == ["c.jsonl", "b.jsonl", "d.jsonl"]
+    assert config.data.val_files == ["v.jsonl"]
+    assert config.ref.engine == EngineConfig(
+        backend="other", model=ModelConfig(path="/models/ref"), options=OtherOptions()
+    )
+    assert config.actor.engine.options == ToyOptions(bucket_cap_mb=10, mode="async")
+    assert config.actor.engine.model.path == "/models/x=y"
+
+
+def test_later_files_merge_mappings_and_replace_lists(tmp_path):
+    first = write(tmp_path, "base.yaml", VALID)
+    second = write(
+        tmp_path,
+        "more.yaml",
+        """\
+        actor: {engine: {optim: {weight_decay: 0.5}}}
+        data: {train_files: [z.jsonl]}
+        """,
+    )
+    config = load_config([first, second], registry=REGISTRY)
+    assert config.actor.engine.optim == OptimConfig(lr=1e-5, weight_decay=0.5)
+    assert config.actor.engine.options == ToyOptions(bucket_cap_mb=10)
+    assert config.data.train_files == ["z.jsonl"]
+
+
+def test_yaml_aliases_are_copies_that_overrides_change_one_at_a_time(tmp_path):
+    text = VALID.replace("  engine:\n", "  engine: &engine\n") + "ref: {engine: *engine}\n"
+    config = load(tmp_path, text, ["ref.engine.optim.lr=0.5"])
+    assert config.ref.engine == attrs.evolve(config.actor.engine, optim=OptimConfig(lr=0.5))
+    assert config.actor.engine.optim.lr == 1e-5
+
+
+def test_one_override_switches_backend_and_sections_of_other_installed_backends_are_kept_quiet(tmp_path):
+    text = VALID.replace(
+        "    toy: {bucket_cap_mb: 10}\n", "    toy: {bucket_cap_mb: 10}\n    other: {shards: 4}\n"
+    )
+    assert load(tmp_path, text).actor.engine.options == ToyOptions(bucket_cap_mb=10)
+    switched = load(tmp_path, text, ["actor.engine.backend=other"])
+    assert switched.actor.engine.options == OtherOptions(shards=4)
+    data = unstructure(switched.actor.engine)
+    assert list(data)[:2] == ["backend", "other"] and "toy" not in data and "options" not in data
+    assert data["other"] == {"shards": 4}
+
+
+def test_dump_yaml_reads_back_to_the_same_config(tmp_path):
+    config = load(tmp_path, overrides=["actor.engine.model.path='1e-5'", "trainer.checkpoint_dir=yes"])
+    assert config.actor.engine.model.path == "1e-5"  # a string that looks like a float stays quoted
+    dumped = write(tmp_path, "dumped.yaml", dump_yaml(config))
+    assert load_config([dumped], registry=REGISTRY) == config
+    assert yaml.safe_load(dump_yaml(config)) == unstructure(config)  # YAML 1.1 readers agree
+
+
+@given(
+    key=st.lists(st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True), min_size=1, max_size=4).map(
+        ".".join
+    ),
+    value=st.one_of(
+        st.integers(),
+        st.floats(allow_nan=False),
+        st.booleans(),
+        st.none(),
+        st.text(max_size=10),
+        st.lists(st.integers(), max_size=3),
+    ),
+)
+def test_override_values_are_yaml(key, value):
+    override = parse_override(f"{key}={dump_yaml(value).removesuffix('...').strip()}")
+    assert override.path == key and override.value == value
+
+
+def test_structure_reports_paths_below_the_given_prefix():
+    assert structure({"micro_batch_size": 3}, MicroBatchConfig) == MicroBatchConfig(micro_batch_size=3)
+    with pytest.raises(ConfigError) as caught:
+        structure({"micro_batch_size": "3"}, MicroBatchConfig, path="critic.engine.micro_batch")
+    assert caught.value.errors == [("critic.engine.micro_batch.micro_batch_size", "expected int, got '3'")]
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+def test_unknown_key_in_backend_options_suggests_the_close_one(tmp_path):
+    errors = errors_of(tmp_path, overrides=["actor.engine.toy.bucket_cap_mbb=4"])
+    assert errors == {
+        "actor.engine.toy.bucket_cap_mbb": "unknown key (did you mean bucket_cap_mb?) "
+        "(from override 'actor.engine.toy.bucket_cap_mbb=4')"
+    }
+
+
+def test_unknown_key_without_close_match_lists_the_allowed_keys(tmp_path):
+    errors = errors_of(tmp_path, VALID + "trainer: {zzz: 1}\n")
+    message = errors["trainer.zzz"]
+    assert message.startswith("unknown key (allowed keys: total_epochs, total_training_steps, save_freq")
+
+
+def test_wrong_scalar_type_names_the_expected_type_and_the_value(tmp_path):
+    errors = errors_of(tmp_path, VALID.replace("lr: 1e-5", "lr: fast"), ["actor.ppo_mini_batch_size=2.5"])
+    assert errors == {
+        "actor.engine.optim.lr": "expected float, got 'fast'",
+        "actor.ppo_mini_batch_size": "expected int, got 2.5 (from override 'actor.ppo_mini_batch_size=2.5')",
+    }
+
+
+def test_yaml_1_1_booleans_are_strings_so_a_bool_field_refuses_them(tmp_path):
+    errors = errors_of(tmp_path, VALID + "trainer: {checkpoint_dir: 12}\n", ["data.shuffle=yes"])
+    assert errors == {
+        "data.shuffle": "expected bool (true or false), got 'yes' (from override 'data.shuffle=yes')",
+        "trainer.checkpoint_dir": "expected str, got 12 (quote it to make it a string)",
+    }
+
+
+def test_missing_required_key(tmp_path):
+    errors = errors_of(
+        tmp_path, VALID.replace("    model: {path: /models/tiny}\n", "    model: {dtype: float32}\n")
+    )
+    assert errors == {
+        "actor.engine.model.path": "required key is missing: set it in the YAML file or with an override"
+    }
+    assert errors_of(tmp_path, "data: {seed: 1}\n") == {
+        "actor": "required key is missing: set it in the YAML file or with an override"
+    }
+
+
+def test_bad_literal_lists_the_allowed_values(tmp_path):
+    errors = errors_of(tmp_path, overrides=["actor.policy_loss.loss_agg_mode=token_mean"])
+    allowed = ", ".join(map(repr, typing.get_args(LossAggMode)))
+    assert errors == {
+        "actor.policy_loss.loss_agg_mode": f"expected one of {allowed}; got 'token_mean' (did you mean "
+        "'token-mean'?) (from override 'actor.policy_loss.loss_agg_mode=token_mean')"
+    }
+
+
+def test_wrong_types_in_lists_and_tuples_name_the_index(tmp_path):
+    errors = errors_of(
+        tmp_path,
+        VALID.replace("[a.jsonl, b.jsonl]", "[a.jsonl, 3, {x: 1}]"),
+        ["actor.engine.optim.betas=[0.9]", "trainer.logger=console"],
+    )
+    assert errors == {
+        "data.train_files[1]": "expected str, got 3 (quote it to make it a string)",
+        "data.train_files[2]": "expected str, got {'x': 1}",
+        "actor.engine.optim.betas": "expected a list of 2 items, got 1: [0.9] "
+        "(from override 'actor.engine.optim.betas=[0.9]')",
+        "trainer.logger": "expected a list, got 'console' (from override 'trainer.logger=console')",
+    }
+
+
+def test_unknown_backend_lists_installed_ones_at_the_backend_key(tmp_path):
+    errors = errors_of(tmp_path, overrides=["actor.engine.backend=tyo", "data.seed=x"])
+    assert set(errors) == {"actor.engine.backend", "data.seed"}  # reported together with the others
+    message = errors["actor.engine.backend"]
+    assert message.startswith(
+        "Unknown engine backend 'tyo'. Installed engine backends: toy (no distribution), other (no distribution)."
+    )
+    assert "Did you mean 'toy'?" in message and "\n" not in message
+    assert message.endswith("(from override 'actor.engine.backend=tyo')")
+    fsdp = errors_of(tmp_path, overrides=["actor.engine.backend=fsdp"])["actor.engine.backend"]
+    assert 'pip install "verl-core[fsdp]"' in fsdp or "verl-fsdp-plugin" in fsdp
+
+
+def test_section_named_like_no_installed_backend_is_an_unknown_key(tmp_path):
+    errors = errors_of(
+        tmp_path, VALID.replace("    toy: {bucket_cap_mb: 10}\n", "    tyo: {bucket_cap_mb: 10}\n")
+    )
+    assert errors == {"actor.engine.tyo": "unknown key (did you mean toy?)"}
+    errors = errors_of(tmp_path, overrides=["actor.engine.options={bucket_cap_mb: 1}"])
+    assert errors["actor.engine.options"].startswith(
+        "unknown key: the options of backend 'toy' go under its name (toy: {...})"
+    )
+
+
+def test_backend_options_are_validated_at_their_path(tmp_path):
+    errors = errors_of(tmp_path, overrides=["actor.engine.toy={bucket_cap_mb: 0, mode: fast}"])
+    assert errors == {
+        "actor.engine.toy.mode": "expected one of 'sync', 'async'; got 'fast' "
+        "(from override 'actor.engine.toy={bucket_cap_mb: 0, mode: fast}')"
+    }
+    errors = errors_of(tmp_path, overrides=["actor.engine.toy.bucket_cap_mb=0", "actor.engine.other=3"])
+    assert errors == {  # attrs' own validator message; the section of another backend is not checked
+        "actor.engine.toy.bucket_cap_mb": "'bucket_cap_mb' must be > 0: 0 "
+        "(from override 'actor.engine.toy.bucket_cap_mb=0')"
+    }
+    errors = errors_of(tmp_path, overrides=["actor.engine.toy=[1]"])
+    assert errors == {
+        "actor.engine.toy": "expected a mapping of ToyOptions keys, got [1] (from override 'actor.engine.toy=[1]')"
+    }
+
+
+def test_range_and_cross_field_rules_are_all_reported_with_paths(tmp_path):
+    errors = errors_of(
+        tmp_path,
+        overrides=[
+            "actor.policy_loss.clip_ratio_c=0.5",
+            "actor.engine.micro_batch.micro_batch_size=0",
+            "actor.engine.optim.betas=[0.9, 1.0]",
+            "actor.ppo_mini_batch_size=3",
+            "rollout.n=1",
+            "critic.enable=true",
+            "trainer.resume_mode=resume_path",
+        ],
+    )
+    origin = " (from override '{}')".format
+    assert errors == {
+        "actor.policy_loss.clip_ratio_c": "must be > 1, got 0.5"
+        + origin("actor.policy_loss.clip_ratio_c=0.5"),
+        "actor.engine.micro_batch.micro_batch_size": "must be > 0, got 0"
+        + origin("actor.engine.micro_batch.micro_batch_size=0"),
+        "actor.engine.optim.betas[1]": "must be in [0, 1), got 1.0"
+        + origin("actor.engine.optim.betas=[0.9, 1.0]"),
+        "critic.engine": "required when critic.enable is true: give it backend and model like actor.engine",
+        "trainer.resume_from_path": "required when resume_mode is 'resume_path': set the checkpoint to resume",
+    }
+    # Rules across sections run once every section is valid.
+    errors = errors_of(tmp_path, overrides=["actor.ppo_mini_batch_size=3", "rollout.n=1"])
+    assert errors == {
+        "actor.ppo_mini_batch_size": "must divide data.train_batch_size (8) into whole mini-batches, got 3"
+        + origin("actor.ppo_mini_batch_size=3"),
+        "rollout.n": "adv_estimator 'grpo' compares the responses to each prompt: set rollout.n >= 2"
+        + origin("rollout.n=1"),
+    }
+    gae = errors_of(tmp_path, overrides=["algorithm.adv_estimator=gae"])
+    assert gae["critic.enable"].startswith(
+        "adv_estimator 'gae' needs a critic's values: set critic.enable=true"
+    )
+
+
+def test_section_that_is_not_a_mapping(tmp_path):
+    assert errors_of(tmp_path, VALID + "trainer: 5\n") == {
+        "trainer": "expected a mapping of TrainerConfig keys, got 5"
+    }
+
+
+def test_errors_name_the_file_that_set_the_value(tmp_path):
+    first = write(tmp_path, "base.yaml", VALID)
+    second = write(tmp_path, "more.yaml", "rollout: {top_p: 0}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config([first, second], registry=REGISTRY)
+    assert caught.value.source == f"{first}, {second}"
+    assert caught.value.errors == [("rollout.top_p", f"must be in (0, 1], got 0.0 (from {second})")]
+    assert str(caught.value).splitlines()[0] == f"1 error(s) in the configuration in {first}, {second}:"
+
+
+def test_yaml_syntax_error_names_the_file_and_line(tmp_path):
+    path = write(tmp_path, "broken.yaml", "actor:\n  engine:\n    backend: toy\n   model: x\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config([path], registry=REGISTRY)
+    assert caught.value.source == path
+    ((where, message),) = caught.value.errors
+    assert where == "" and message.startswith("YAML syntax error at line 4, column 4:")
+    assert path in str(caught.value)
+
+
+def test_duplicate_yaml_key_is_an_error_with_its_line(tmp_path):
+    path = write(tmp_path, "dup.yaml", VALID + "data: {seed: 1}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config([path], registry=REGISTRY)
+    assert caught.value.errors == [
+        (
+            "",
+            "YAML syntax error at line 11, column 1: duplicate key 'data' "
+            "(while reading a mapping started at line 1)",
+        )
+    ]
+
+
+def test_missing_file_and_non_mapping_file_are_named(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        load_config([str(tmp_path / "nope.yaml")], registry=REGISTRY)
+    assert caught.value.source == str(tmp_path / "nope.yaml")
+    assert caught.value.errors == [("", "cannot read the config file: No such file or directory")]
+    with pytest.raises(ConfigError, match="expected a mapping of sections"):
+        load_config([write(tmp_path, "list.yaml", "- a\n")], registry=REGISTRY)
+
+
+def test_malformed_overrides_are_all_named(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        load(
+            tmp_path,
+            overrides=[
+                "actor.optim.lr",
+                "a..b=1",
+                "x=[1,",
+                "data.train_files[5]=e",
+                "data.train_batch_size.x=1",
+            ],
+        )
+    assert caught.value.source == "overrides"
+    assert caught.value.errors == [
+        ("", "override 'actor.optim.lr' has no '=': write key=value, e.g. actor.optim.lr=1e-5"),
+        ("", "override 'a..b=1': 'a..b' is not a dotted key such as actor.optim.lr or data.train_files[0]"),
+        (
+            "",
+            "override 'x=[1,': the value is not valid YAML (YAML syntax error at line 1, column 4: expected "
+            "the node content, but found '<stream end>' (while parsing a flow node started at line 1)); quote it",
+        ),
+        (
+            "",
+            "override 'data.train_files[5]=e': index 5 is past the end of a list of 2 item(s); use [2] to append",
+        ),
+        ("", "override 'data.train_batch_size.x=1': data.train_batch_size is 8, not a section"),
+    ]
+
+
+def test_override_with_an_unknown_path_names_the_override(tmp_path):
+    errors = errors_of(tmp_path, overrides=["actor.engine.modle.path=/m", "trainer.total_epoch=2"])
+    assert errors == {
+        "actor.engine.modle": "unknown key (did you mean model?) (from override 'actor.engine.modle.path=/m')",
+        "trainer.total_epoch": "unknown key (did you mean total_epochs?) (from override 'trainer.total_epoch=2')",
+    }
+
+
+# -- the classes themselves ------------------------------------------------------------------------
+
+
+def test_validators_also_guard_configs_built_in_python():
+    with pytest.raises(InvalidValue, match="micro_batch_size: must be > 0, got 0"):
+        MicroBatchConfig(micro_batch_size=0)
+    optim = OptimConfig()
+    with pytest.raises(InvalidValue, match=r"betas\[0\]: must be in \[0, 1\), got 1.5"):
+        optim.betas = (1.5, 0.9)
+
+
+def test_loss_aggregation_modes_match_the_algorithms():
+    from verl_core.algos.aggregation import LOSS_AGG_MODES
+
+    assert typing.get_args(LossAggMode) == LOSS_AGG_MODES
+
+
+def test_importing_the_config_package_does_not_import_torch():
+    code = "import sys, verl_core.config; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def documented_tables() -> dict[str, dict[str, str]]:
+    """``### `section``` heading -> {key: default column} of the table below it in docs/config.md."""
+    markdown = (REPO / "docs" / "config.md").read_text()
+    tables = {}
+    for chunk in markdown.split("\n### `")[1:]:
+        title, _, body = chunk.partition("`")
+        tables[title] = dict(re.findall(r"^\| `([^`<]+)` \| ([^|]+?) \|", body, re.MULTILINE))
+    return tables
+
+
+def documented_default(field: attrs.Attribute) -> str:
+    default = field.default
+    if default is attrs.NOTHING:
+        return "required"
+    if isinstance(default, attrs.Factory):
+        default = default.factory()
+    if attrs.has(type(default)):
+        return "section"
+    flow = yaml.safe_dump(unstructure(default), default_flow_style=True).strip().removesuffix("...").strip()
+    return f"`{flow}`"
+
+
+def test_docs_list_every_key_with_its_default():
+    sections = {
+        "actor": ActorConfig,
+        "actor.policy_loss": PolicyLossConfig,
+        "ref": RefConfig,
+        "critic": CriticConfig,
+        "critic.loss": CriticLossConfig,
+        "rollout": RolloutConfig,
+        "algorithm": AlgorithmConfig,
+        "algorithm.kl_ctrl": KLControlConfig,
+        "data": DataConfig,
+        "trainer": TrainerConfig,
+        "<engine>": EngineConfig,
+        "<engine>.model": ModelConfig,
+        "<engine>.optim": OptimConfig,
+        "<engine>.micro_batch": MicroBatchConfig,
+    }
+    tables = documented_tables()
+    assert set(tables) == set(sections)
+    for title, cls in sections.items():
+        expected = {
+            field.name: documented_default(field) for field in attrs.fields(cls) if field.name != "options"
+        }
+        assert tables[title] == expected, f"docs/config.md, section {title}"
+
+
+# -- the example ----------------------------------------------------------------------------------
+
+
+def test_example_grpo_config_loads_with_the_installed_ddp_backend():
+    registry = get_registry()
+    if "ddp" not in registry.names("engine_backends"):
+        pytest.skip("the ddp backend (plugins/verl_ddp) is not installed")
+    config = load_config([REPO / "examples" / "grpo_tiny_ddp.yaml"], registry=registry)
+    assert config.actor.engine.backend == "ddp"
+    assert type(config.actor.engine.options).__name__ == "DDPConfig"
+    assert config.algorithm.adv_estimator == "grpo" and config.rollout.n >= 2
+    assert load_config([REPO / "examples" / "grpo_tiny_ddp.yaml"], registry=registry) == structure(
+        unstructure(config), RunConfig, registry=registry
+    )

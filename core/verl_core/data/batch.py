@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from verl_core.engine.distributed import collective_device, group_size
+
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
@@ -63,16 +65,13 @@ def compute_global_counts(
 ) -> GlobalCounts:
     """Count ``batch``'s tokens and sequences and sum them over ``dp_group`` (one all-reduce)."""
     mask = batch[mask_key]
-    local = torch.tensor([int(mask.sum().item()), mask.shape[0]], dtype=torch.int64)
-    dp_size = 1
-    if dp_group is not None and dist.is_initialized():
-        dp_size = dist.get_world_size(dp_group)
-        if dp_size > 1:
-            backend = dist.get_backend(dp_group)
-            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-            local = local.to(device)
-            dist.all_reduce(local, group=dp_group)
-    num_tokens, num_seqs = (int(v) for v in local.tolist())
+    counts = torch.tensor(
+        [int(mask.sum().item()), mask.shape[0]], dtype=torch.int64, device=collective_device(dp_group)
+    )
+    dp_size = group_size(dp_group)
+    if dp_size > 1:
+        dist.all_reduce(counts, group=dp_group)
+    num_tokens, num_seqs = (int(v) for v in counts.tolist())
     return GlobalCounts(num_tokens, num_seqs, dp_size, int(mask.shape[-1]))
 
 

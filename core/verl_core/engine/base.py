@@ -6,7 +6,7 @@ methods; ``train_batch``, ``infer_batch`` and the mode contexts are written once
 
 The loss contract (``LossFn``): ``loss_fn(model_output, micro_batch, dp_group) -> (loss, metrics)``
 is called once per micro-batch. ``micro_batch`` carries the global counts of the whole step (see
-``verl_core.engine.loss.global_counts``) so that the returned loss is already normalised by global
+``verl_core.data.batch.compute_global_counts``) so that the returned loss is already normalised by global
 token / sequence counts and by the DP size: summing the returned losses over micro-batches and
 ranks gives the full-batch loss, whatever the split.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch

@@ -1,0 +1,136 @@
+"""Atomic checkpoint directories, shared by every backend.
+
+A save writes into a hidden sibling ``.<name>.saving``; once every rank has written its files,
+rank 0 adds a completion marker (global step, backend, world size) and renames the directory into
+place. A directory without the marker is never trusted. Saving over an existing checkpoint moves
+the old one aside to ``.<name>.replaced`` first and deletes it only after the new one is in place,
+so a crash at any point leaves a complete checkpoint: the old one or the new one.
+
+``open_checkpoint`` finds it again even when the crash fell between the two renames.
+The directory must be on a file system every rank sees (as for any multi-rank checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import torch.distributed as dist
+
+from verl_core.engine.distributed import barrier, group_rank, group_size
+from verl_core.errors import VerlCoreError
+
+MARKER_FILE = "verl_checkpoint.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(VerlCoreError):
+    """A checkpoint directory is missing, incomplete, or was written by an incompatible engine."""
+
+
+@attrs.frozen
+class CheckpointInfo:
+    """What the completion marker of a checkpoint records."""
+
+    global_step: int
+    backend: str
+    world_size: int
+
+
+@contextlib.contextmanager
+def atomic_checkpoint(
+    path: str | os.PathLike, *, global_step: int, backend: str, group: dist.ProcessGroup | None = None
+) -> Iterator[Path]:
+    """Yield the staging directory every rank writes its files into; publish ``path`` on exit.
+
+    A collective over ``group``: every rank enters and leaves together. If the block raises, nothing
+    is published (``path`` keeps its previous content) and the exception propagates.
+    """
+    final = Path(path)
+    staging, replaced = _siblings(final)
+    if final.exists() and not (final / MARKER_FILE).is_file() and any(final.iterdir()):
+        raise CheckpointError(
+            f"{final} exists and is not a verl-core checkpoint (no {MARKER_FILE}): refusing to replace it; "
+            "save to another path or remove it"
+        )
+    rank, world_size = group_rank(group), group_size(group)
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # left over by an earlier crashed save
+        staging.mkdir(parents=True)
+    barrier(group)
+    yield staging
+    barrier(group)  # every rank has written its files
+    if rank == 0:
+        _write_marker(staging, CheckpointInfo(global_step, backend, world_size))
+        _publish(staging, final, replaced)
+    barrier(group)  # ``path`` is in place before any rank returns
+
+
+def open_checkpoint(path: str | os.PathLike) -> tuple[Path, CheckpointInfo]:
+    """The directory to load ``path`` from, and its marker; refuses anything incomplete.
+
+    Returns ``path`` itself, or, when a save crashed between moving the old checkpoint aside and
+    renaming the new one into place, whichever of the two is complete (the new one first).
+    """
+    final = Path(path)
+    candidates = [final] if final.exists() else [*_siblings(final)]
+    for directory in candidates:
+        if (directory / MARKER_FILE).is_file():
+            return directory, read_checkpoint_info(directory)
+    if final.exists():
+        raise CheckpointError(
+            f"incomplete checkpoint at {final}: it has no {MARKER_FILE}, so a save was interrupted "
+            "(or this is not a verl-core checkpoint); resume from an earlier one"
+        )
+    raise CheckpointError(f"no checkpoint at {final}: the directory does not exist")
+
+
+def read_checkpoint_info(directory: str | os.PathLike) -> CheckpointInfo:
+    """Read the completion marker of a checkpoint directory."""
+    marker = Path(directory) / MARKER_FILE
+    try:
+        data = json.loads(marker.read_text())
+        return CheckpointInfo(int(data["global_step"]), str(data["backend"]), int(data["world_size"]))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(
+            f"incomplete checkpoint at {directory}: cannot read {MARKER_FILE} ({error}); a save was "
+            "interrupted; resume from an earlier one"
+        ) from error
+
+
+def _siblings(final: Path) -> tuple[Path, Path]:
+    """The staging directory of a save to ``final`` and where the previous checkpoint waits."""
+    return final.with_name(f".{final.name}.saving"), final.with_name(f".{final.name}.replaced")
+
+
+def _write_marker(directory: Path, info: CheckpointInfo) -> None:
+    payload = {**attrs.asdict(info), "format_version": FORMAT_VERSION, "saved_at": time.time()}
+    temporary = directory / f"{MARKER_FILE}.tmp"
+    with open(temporary, "w") as handle:
+        json.dump(payload, handle, indent=2)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, directory / MARKER_FILE)
+
+
+def _publish(staging: Path, final: Path, replaced: Path) -> None:
+    if final.exists():
+        shutil.rmtree(replaced, ignore_errors=True)  # stale: ``final`` is newer
+        os.rename(final, replaced)
+    os.rename(staging, final)
+    _fsync_directory(final.parent)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

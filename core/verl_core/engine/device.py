@@ -1,0 +1,58 @@
+"""Which device an engine computes on."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from verl_core.errors import ConfigError
+
+
+def device_type(name: str) -> str:
+    """The device type an ``EngineConfig.device`` names: ``auto`` is ``cuda`` when available, else ``cpu``."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return torch.device(name).type
+    except RuntimeError as error:
+        raise ConfigError(
+            [("engine.device", f"{name!r} is not a device ({error}); use auto, cpu or cuda")]
+        ) from None
+
+
+def resolve_device(name: str) -> torch.device:
+    """The ``torch.device`` this process computes on for ``EngineConfig.device``.
+
+    A bare ``cuda`` means this process's GPU: ``LOCAL_RANK`` (modulo the visible GPUs) when the
+    launcher sets it (torchrun), else the current CUDA device (Ray gives each worker its own GPU).
+    """
+    kind = device_type(name)
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            [("engine.device", f"{name!r} needs CUDA, which is not available here; use cpu or auto")]
+        )
+    device = torch.device(kind) if name == "auto" else torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        local_rank = os.environ.get("LOCAL_RANK")
+        index = int(local_rank) % torch.cuda.device_count() if local_rank else torch.cuda.current_device()
+        device = torch.device("cuda", index)
+    return device
+
+
+def move_module(
+    module: torch.nn.Module, device: torch.device | str, parameters: bool = True, gradients: bool = True
+) -> None:
+    """Move a replicated module's parameters and buffers and/or gradients to ``device``, in place.
+
+    Swapping ``.data`` keeps every ``Parameter`` object, so the optimiser and wrappers holding them
+    (DDP) stay valid: this is how an engine offloads to and reloads from CPU.
+    """
+    device = torch.device(device)
+    if parameters:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            tensor.data = tensor.data.to(device)
+    if gradients:
+        for parameter in module.parameters():
+            if parameter.grad is not None:
+                parameter.grad.data = parameter.grad.data.to(device)

@@ -1,0 +1,120 @@
+"""The independent single-process reference every conformance check compares an engine with.
+
+Plain PyTorch and ``transformers`` only, none of core's engine helpers: each sample is run
+*unpadded* through the Hugging Face model (eager attention, default positions), log-probs are
+``log_softmax(logits / T)`` gathered at the response tokens, entropy is ``-sum p log p``, the
+training step is one ``loss.backward()`` over the whole batch, ``clip_grad_norm_`` and
+``torch.optim.AdamW``. Padding, micro-batching, data parallelism and global counts never enter it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from verl_core.config.engine import OptimConfig
+from verl_core.testing.losses import policy_token_loss, value_token_loss
+from verl_core.testing.tiny import RESPONSE_LENGTH, Sample
+
+
+def load_reference_model(path: str, role: str) -> torch.nn.Module:
+    """The Hugging Face model of ``path`` for ``role`` (``lm`` or ``value``), fp32, eager attention."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    model_class = AutoModelForTokenClassification if role == "value" else AutoModelForCausalLM
+    return model_class.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+
+
+def sample_outputs(
+    model: torch.nn.Module, sample: Sample, role: str, temperature: float
+) -> dict[str, torch.Tensor]:
+    """Outputs at each response token of one unpadded sample: ``log_probs`` and ``entropy`` of the
+    tempered distribution (``lm``), or ``values`` (``value``), each ``[r]``.
+
+    Response token ``t`` is predicted from the position just before it, so its outputs come from
+    the model output at position ``p + t - 1``.
+    """
+    prompt_length, response_length = len(sample.prompt), len(sample.response)
+    logits = model(input_ids=sample.input_ids.unsqueeze(0)).logits[0]
+    predicting = logits[prompt_length - 1 : prompt_length + response_length - 1]
+    if role == "value":
+        return {"values": predicting[:, 0]}
+    log_softmax = F.log_softmax(predicting / temperature, dim=-1)
+    log_probs = log_softmax.gather(-1, sample.response.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1)
+    return {"log_probs": log_probs, "entropy": entropy}
+
+
+def pad_responses(per_sample: Sequence[torch.Tensor], width: int = RESPONSE_LENGTH) -> torch.Tensor:
+    """Stack per-sample ``[r]`` tensors into ``[B, width]``, zeros after each response."""
+    padded = torch.zeros(len(per_sample), width)
+    for row, values in enumerate(per_sample):
+        padded[row, : len(values)] = values
+    return padded
+
+
+@torch.no_grad()
+def reference_outputs(
+    model: torch.nn.Module, samples: Sequence[Sample], role: str, temperature: float
+) -> dict[str, torch.Tensor]:
+    """``sample_outputs`` of every sample in eval mode, padded to ``[B, RESPONSE_LENGTH]``."""
+    model.eval()
+    per_sample = [sample_outputs(model, sample, role, temperature) for sample in samples]
+    return {name: pad_responses([outputs[name] for outputs in per_sample]) for name in per_sample[0]}
+
+
+@attrs.frozen
+class ReferenceStep:
+    """One reference optimiser step: the full-batch loss, the gradient norm before clipping, the
+    parameters after the step (Hugging Face names, state-dict order) and the model itself."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    params: dict[str, torch.Tensor]
+    model: torch.nn.Module = attrs.field(eq=False, repr=False)
+
+
+def reference_step(
+    path: str, role: str, samples: Sequence[Sample], optim: OptimConfig, temperature: float
+) -> ReferenceStep:
+    """Load ``path``, take one AdamW step on the token-mean loss over all ``samples``."""
+    if optim.lr_scheduler != "constant" or optim.lr_warmup_steps:
+        raise ValueError("the reference step takes a constant learning rate without warmup")
+    model = load_reference_model(path, role)
+    model.train()
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+    )
+    total = torch.zeros(())
+    num_tokens = 0
+    for sample in samples:
+        outputs = sample_outputs(model, sample, role, temperature)
+        if role == "value":
+            token_loss = value_token_loss(outputs["values"], sample.returns)
+        else:
+            token_loss = policy_token_loss(outputs["log_probs"], outputs["entropy"], sample.advantages)
+        total = total + (token_loss * sample.loss_mask).sum()
+        num_tokens += int(sample.loss_mask.sum())
+    loss = total / num_tokens
+    loss.backward()
+    max_norm = optim.clip_grad if optim.clip_grad > 0 else math.inf
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm))
+    optimizer.step()
+    params = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    return ReferenceStep(float(loss.detach()), grad_norm, optim.lr, params, model)
+
+
+@torch.no_grad()
+def hf_state_dict(path: str, role: str) -> dict[str, torch.Tensor]:
+    """The state dict ``from_pretrained`` gives for ``path``: names, order, shapes and values that a
+    weight export must reproduce."""
+    return dict(load_reference_model(path, role).state_dict())

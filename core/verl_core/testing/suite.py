@@ -1,0 +1,106 @@
+"""``EngineConformance``: the conformance checks as pytest tests, for a plugin's own test suite.
+
+Subclass it in a test module, name the backend, done::
+
+    from verl_core.testing import EngineConformance
+
+    class TestMyConformance(EngineConformance):
+        backend = "my-backend"
+        world_sizes = (1, 2)
+
+Each world size is one spawned run (class-scoped, so it runs once); each test then asserts its
+check's part of that run's report, with a message saying what differed and by how much.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+
+from verl_core.testing.report import ConformanceReport
+from verl_core.testing.runner import run_conformance
+
+
+class EngineConformance:
+    """Base class of a backend's conformance tests (see the module docstring and docs/conformance.md)."""
+
+    #: The engine backend's name, looked up through the plugin registry as a user's config would be.
+    backend: ClassVar[str] = ""
+    #: One spawned run per world size (gloo ranks on CPU). Each must divide 12, the kit's batch size.
+    world_sizes: ClassVar[tuple[int, ...]] = (1, 2)
+    #: The backend's options: an instance of its config class, a mapping, or None for the defaults.
+    options: ClassVar[Any] = None
+    #: Plugin modules (or their names) to load besides the installed ones, e.g. a test plugin.
+    plugins: ClassVar[tuple[Any, ...]] = ()
+    #: Load installed plugins through entry points; None follows VERL_CORE_DISABLE_PLUGIN_AUTOLOAD.
+    autoload: ClassVar[bool | None] = None
+    device: ClassVar[str] = "cpu"
+    #: Hard limit on one run (all checks at one world size).
+    timeout_s: ClassVar[float] = 600.0
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        # pytest calls this method of a test class to parametrize its tests: one run per world size.
+        if "conformance_world_size" in metafunc.fixturenames:
+            metafunc.parametrize(
+                "conformance_world_size",
+                [
+                    pytest.param(size, marks=pytest.mark.distributed, id=f"world_size={size}")
+                    for size in self.world_sizes
+                ],
+                scope="class",
+            )
+
+    @pytest.fixture(scope="class")
+    def conformance_report(self, conformance_world_size: int) -> ConformanceReport:
+        if not self.backend:
+            pytest.fail(f"{type(self).__name__}: set the class attribute backend = '<engine backend name>'")
+        return run_conformance(
+            self.backend,
+            conformance_world_size,
+            options=self.options,
+            plugins=self.plugins,
+            autoload=self.autoload,
+            device=self.device,
+            timeout_s=self.timeout_s,
+        )
+
+    def test_log_probs_and_entropy(self, conformance_report: ConformanceReport) -> None:
+        assert_check(conformance_report, "log_probs")
+
+    def test_values(self, conformance_report: ConformanceReport) -> None:
+        assert_check(conformance_report, "values")
+
+    def test_first_step(self, conformance_report: ConformanceReport) -> None:
+        assert_check(conformance_report, "first_step")
+
+    def test_micro_batch_invariance(self, conformance_report: ConformanceReport) -> None:
+        assert_check(conformance_report, "micro_batch_invariance")
+
+    def test_dp_invariance(self, conformance_report: ConformanceReport) -> None:
+        assert_check(conformance_report, "dp_invariance")
+
+    def test_checkpoint_round_trip(self, conformance_report: ConformanceReport) -> None:
+        assert_check(conformance_report, "checkpoint")
+
+    def test_weight_export(self, conformance_report: ConformanceReport) -> None:
+        assert_check(conformance_report, "weight_export")
+
+    def test_hf_export(self, conformance_report: ConformanceReport) -> None:
+        assert_check(conformance_report, "hf_export")
+
+    def test_offload_round_trip(self, conformance_report: ConformanceReport) -> None:
+        assert_check(conformance_report, "offload")
+
+
+def assert_check(report: ConformanceReport, check: str) -> None:
+    """Pass, skip or fail the calling test as ``report`` says of ``check``."""
+    outcome = report[check]
+    if outcome.status == "skipped":
+        pytest.skip("; ".join(outcome.reasons))
+    if not outcome.passed:
+        run_error = f"\n(the run itself broke: {report.error})" if report.error else ""
+        pytest.fail(
+            f"backend '{report.backend}' at world_size={report.world_size}: {outcome.describe()}{run_error}",
+            pytrace=False,
+        )

@@ -1,0 +1,135 @@
+"""Hugging Face models for engines: loading per role, the micro-batch forward, the export.
+
+The reference runs every sample alone and unpadded with default positions, so a wrong column
+offset, dropped ``position_ids`` or a padding leak shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+from verl_core.config.engine import ModelConfig
+from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE
+from verl_core.engine.hf import ENTROPY, LOG_PROBS, export_hf_model, forward_micro_batch, load_hf_model
+from verl_core.testing.tiny import collate, make_samples, save_tiny_models
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return save_tiny_models(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def samples():
+    return make_samples(seed=3)[:6]
+
+
+def unpadded_logits(model, sample) -> torch.Tensor:
+    """Logits predicting each response token, from the sample alone: [r, V] (or [r, 1] for values)."""
+    with torch.no_grad():
+        logits = model(input_ids=sample.input_ids.unsqueeze(0)).logits[0]
+    prompt_length = len(sample.prompt)
+    return logits[prompt_length - 1 : prompt_length + len(sample.response) - 1]
+
+
+def test_lm_log_probs_and_entropy_match_unpadded_reference(dirs, samples) -> None:
+    model = load_hf_model(ModelConfig(path=dirs.lm), role="lm").eval()
+    batch = collate(samples)
+    batch.set_non_tensor(TEMPERATURE, 0.7)
+    batch.set_non_tensor(COMPUTE_ENTROPY, True)
+    with torch.no_grad():
+        output = forward_micro_batch(model, batch, role="lm")
+    assert set(output) == {LOG_PROBS, ENTROPY}
+    assert output[LOG_PROBS].shape == output[ENTROPY].shape == batch["responses"].shape
+    for row, sample in enumerate(samples):
+        log_p = torch.log_softmax(unpadded_logits(model, sample).double() / 0.7, dim=-1)
+        expected_log_probs = log_p.gather(-1, sample.response.unsqueeze(-1)).squeeze(-1)
+        expected_entropy = -(log_p.exp() * log_p).sum(-1)
+        length = len(sample.response)
+        torch.testing.assert_close(
+            output[LOG_PROBS][row, :length].double(), expected_log_probs, atol=2e-5, rtol=0
+        )
+        torch.testing.assert_close(
+            output[ENTROPY][row, :length].double(), expected_entropy, atol=2e-5, rtol=0
+        )
+
+
+def test_lm_defaults_to_temperature_one_without_entropy(dirs, samples) -> None:
+    model = load_hf_model(ModelConfig(path=dirs.lm), role="lm").eval()
+    with torch.no_grad():
+        output = forward_micro_batch(model, collate(samples[:2]), role="lm")
+    assert set(output) == {LOG_PROBS}
+    log_p = torch.log_softmax(unpadded_logits(model, samples[0]), dim=-1)
+    expected = log_p.gather(-1, samples[0].response.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(output[LOG_PROBS][0, : len(samples[0].response)], expected, atol=2e-5, rtol=0)
+    # RoPE hides a uniform position shift, so check directly that position_ids reach the model.
+    batch = collate(samples[:2])
+    batch["position_ids"] = torch.zeros_like(batch["position_ids"])
+    with torch.no_grad():
+        assert not torch.allclose(forward_micro_batch(model, batch, role="lm")[LOG_PROBS], output[LOG_PROBS])
+
+
+def test_value_head_from_a_causal_lm_is_seeded_and_dropout_free(dirs, samples) -> None:
+    torch.manual_seed(123)  # the caller's random state must not matter ...
+    first = load_hf_model(ModelConfig(path=dirs.lm), role="value", seed=5)
+    state_after_load = torch.random.get_rng_state()
+    torch.manual_seed(999)
+    second = load_hf_model(ModelConfig(path=dirs.lm), role="value", seed=5)
+    other_seed = load_hf_model(ModelConfig(path=dirs.lm), role="value", seed=6)
+    torch.manual_seed(123)
+    assert torch.equal(torch.random.get_rng_state(), state_after_load)  # ... nor be disturbed by loading
+    assert type(first).__name__ == "Qwen2ForTokenClassification"
+    assert torch.equal(first.score.weight, second.score.weight)
+    assert not torch.equal(first.score.weight, other_seed.score.weight)
+    assert first.config.num_labels == 1
+    # In train mode, two passes agree: the head's dropout is off.
+    batch = collate(samples)
+    values = forward_micro_batch(first, batch, role="value")["values"]
+    assert first.training and torch.equal(values, forward_micro_batch(first, batch, role="value")["values"])
+    assert values.shape == batch["responses"].shape and values.dtype == torch.float32
+    for row, sample in enumerate(samples):
+        expected = unpadded_logits(first, sample)[:, 0]
+        torch.testing.assert_close(values[row, : len(sample.response)].detach(), expected, atol=2e-5, rtol=0)
+
+
+def test_value_model_keeps_a_saved_head(dirs) -> None:
+    saved = AutoModelForTokenClassification.from_pretrained(dirs.value)
+    loaded = load_hf_model(ModelConfig(path=dirs.value), role="value", seed=1)
+    assert torch.equal(saved.score.weight, loaded.score.weight)
+
+
+def test_model_options_dtype_and_activation_checkpointing(dirs, samples) -> None:
+    model = load_hf_model(ModelConfig(path=dirs.lm, dtype="bfloat16", gradient_checkpointing=True), role="lm")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.training and model.is_activation_checkpointing
+    output = forward_micro_batch(model, collate(samples[:2]), role="lm")
+    assert output[LOG_PROBS].dtype == torch.float32  # upcast before the softmax
+    output[LOG_PROBS].sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_unknown_role_is_refused(dirs) -> None:
+    with pytest.raises(ValueError, match=r"role='critic': expected one of \('lm', 'value'\)"):
+        load_hf_model(ModelConfig(path=dirs.lm), role="critic")
+
+
+def test_export_round_trips_through_from_pretrained(dirs, tmp_path) -> None:
+    source = tmp_path / "source"
+    AutoModelForCausalLM.from_pretrained(dirs.lm).save_pretrained(source)
+    (source / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    model = load_hf_model(ModelConfig(path=str(source)), role="lm")
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # an export must write the current weights, not the source's
+    export_hf_model(model, tmp_path / "export", tokenizer_source=source)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert list(reloaded.state_dict()) == list(model.state_dict())
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
+    assert any(path.suffix == ".safetensors" for path in (tmp_path / "export").iterdir())
+    assert json.loads((tmp_path / "export" / "tokenizer_config.json").read_text()) == {"model_max_length": 64}

@@ -1,0 +1,530 @@
+"""The conformance kit itself: its batches and reference are right, its comparisons catch what they
+must, and, run against deliberately broken engines, it fails each of them in the right check.
+
+The broken engines are subclasses of the example DDP engine, each with one realistic bug, provided
+by this module acting as a plugin (``verl_engine_backends`` below): the spawned ranks rebuild the
+registry from it exactly as they would from an installed plugin.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_core import EngineBackend, hookimpl
+from verl_core.data.batch import (
+    ADVANTAGES,
+    ATTENTION_MASK,
+    INPUT_IDS,
+    POSITION_IDS,
+    RESPONSE_MASK,
+    RESPONSES,
+    GlobalCounts,
+    attach_global_counts,
+    compute_global_counts,
+)
+from verl_core.engine import TEMPERATURE
+from verl_core.errors import UnknownNameError
+from verl_core.testing import run_conformance
+from verl_core.testing.checks import BASE_OPTIM
+from verl_core.testing.losses import ENTROPY_COEF, policy_loss_fn
+from verl_core.testing.reference import load_reference_model, reference_outputs, reference_step
+from verl_core.testing.report import (
+    BITWISE,
+    CheckOutcome,
+    Comparison,
+    RankRecord,
+    Tolerance,
+    compare_scalars,
+    compare_state_dicts,
+    compare_tensors,
+)
+from verl_core.testing.runner import _all_ranks_fine
+from verl_core.testing.tiny import (
+    BATCH_SIZE,
+    PAD_TOKEN_ID,
+    PROMPT_LENGTH,
+    TinyModelSpec,
+    collate,
+    make_samples,
+    response_token_mask,
+    save_tiny_models,
+    shard,
+)
+from verl_ddp.config import DDPConfig
+from verl_ddp.engine import DDPEngine
+
+torch.set_num_threads(1)
+
+THIS_PLUGIN = sys.modules[__name__]
+
+
+# -- broken engines, provided by this module as a plugin --------------------------------------------
+
+
+class PerRankMeanEngine(DDPEngine):
+    """Normalises each rank's loss by that rank's own token count instead of the global one."""
+
+    def forward_backward_batch(self, batch, loss_fn, forward_only):
+        if loss_fn is None:
+            return super().forward_backward_batch(batch, loss_fn, forward_only)
+        local_counts = compute_global_counts(batch)  # no group: this rank's tokens only
+
+        def per_rank_loss(model_output, micro_batch, dp_group):
+            attach_global_counts(micro_batch, local_counts)
+            return loss_fn(model_output, micro_batch, dp_group)
+
+        return super().forward_backward_batch(batch, per_rank_loss, forward_only)
+
+
+class WrappedNamesEngine(DDPEngine):
+    """Exports weights under the DDP wrapper's names (``module.model...``), not Hugging Face's."""
+
+    def get_per_tensor_param(self):
+        for name, tensor in super().get_per_tensor_param():
+            yield f"module.{name}", tensor
+
+
+class ForgetfulCheckpointEngine(DDPEngine):
+    """Resumes weights and LR schedule from a checkpoint but starts AdamW's moments afresh."""
+
+    def load_checkpoint(self, path):
+        step = super().load_checkpoint(path)
+        self.optimizer.state.clear()
+        return step
+
+
+class UnfinishedPortEngine(DDPEngine):
+    """Two independent defects: ignores the batch's sampling temperature, and has no HF export yet."""
+
+    def forward_backward_batch(self, batch, loss_fn, forward_only):
+        batch.set_non_tensor(TEMPERATURE, 1.0)
+        return super().forward_backward_batch(batch, loss_fn, forward_only)
+
+    def save_hf_model(self, path):
+        raise NotImplementedError("HF export is not ported yet")
+
+
+class HangingEngine(DDPEngine):
+    """Never finishes initialising (a rendezvous that never completes)."""
+
+    def initialize(self):
+        time.sleep(3600)
+
+
+BROKEN_ENGINES = {
+    "ddp-per-rank-mean": PerRankMeanEngine,
+    "ddp-wrapped-names": WrappedNamesEngine,
+    "ddp-forgetful-checkpoint": ForgetfulCheckpointEngine,
+    "ddp-unfinished-port": UnfinishedPortEngine,
+    "ddp-hanging": HangingEngine,
+}
+
+
+@hookimpl
+def verl_engine_backends() -> list[EngineBackend]:
+    return [
+        EngineBackend(name=name, engine=engine, config=DDPConfig, roles=("lm",), devices=("cpu",))
+        for name, engine in BROKEN_ENGINES.items()
+    ]
+
+
+def run_broken(backend: str, world_size: int, checks: tuple[str, ...], timeout_s: float = 300.0):
+    return run_conformance(
+        backend, world_size, plugins=[THIS_PLUGIN], autoload=False, checks=checks, timeout_s=timeout_s
+    )
+
+
+def failing_quantities(report, check: str) -> list[str]:
+    return [comparison.quantity for comparison in report[check].failures]
+
+
+@pytest.mark.distributed
+def test_per_rank_loss_mean_is_caught_by_the_dp_check() -> None:
+    report = run_broken("ddp-per-rank-mean", 2, ("log_probs", "dp_invariance"))
+    assert report.error is None, report.summary()
+    assert report["log_probs"].passed, report.summary()  # the forward pass is fine
+    outcome = report["dp_invariance"]
+    assert outcome.status == "failed", report.summary()
+    failing = failing_quantities(report, "dp_invariance")
+    assert any(q.endswith(": loss") for q in failing), failing
+    assert any(q.endswith(": grad_norm") for q in failing), failing
+    message = outcome.describe()
+    assert "[40, 14] tokens per rank" in message and "differ from the reference" in message, message
+
+
+@pytest.mark.distributed
+def test_wrapped_export_names_are_caught_by_the_export_check() -> None:
+    report = run_broken("ddp-wrapped-names", 1, ("weight_export", "log_probs"))
+    assert report["log_probs"].passed, report.summary()
+    outcome = report["weight_export"]
+    assert outcome.status == "failed"
+    message = outcome.describe()
+    assert "get_per_tensor_param names: FAILED" in message, message
+    assert "missing 'model.embed_tokens.weight'" in message, message
+    assert "unexpected 'module.model.embed_tokens.weight'" in message, message
+
+
+@pytest.mark.distributed
+def test_checkpoint_without_optimizer_state_is_caught() -> None:
+    report = run_broken("ddp-forgetful-checkpoint", 1, ("checkpoint", "first_step"))
+    assert report["first_step"].passed, report.summary()
+    outcome = report["checkpoint"]
+    assert outcome.status == "failed", report.summary()
+    # Step 2's loss and gradient come before the optimiser step; its result is what differs.
+    assert failing_quantities(report, "checkpoint") == ["parameters after step 2 values"], report.summary()
+    assert "differ from the uninterrupted run" in outcome.describe()
+
+
+@pytest.mark.distributed
+def test_ignored_temperature_fails_and_an_exception_is_reported_without_stopping_the_run() -> None:
+    report = run_broken("ddp-unfinished-port", 1, ("log_probs", "hf_export", "weight_export"))
+    assert report.error is None, report.summary()
+    assert set(failing_quantities(report, "log_probs")) == {"log_probs", "entropy"}, report.summary()
+    hf_export = report["hf_export"]
+    assert hf_export.status == "error"
+    assert "NotImplementedError: HF export is not ported yet" in hf_export.describe()
+    assert report["weight_export"].passed, report.summary()  # ran after the error, at one rank
+
+
+@pytest.mark.distributed
+def test_a_hanging_engine_is_killed_at_the_timeout() -> None:
+    started = time.monotonic()
+    report = run_broken("ddp-hanging", 1, ("weight_export",), timeout_s=10)
+    assert time.monotonic() - started < 40
+    assert report.error is not None and "exceeded its timeout of 10 s" in report.error
+    assert report["weight_export"].status == "error"
+    assert not report.passed
+
+
+# -- run_conformance refuses bad requests before spawning anything ----------------------------------
+
+
+def test_unknown_check_names_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown conformance check\(s\) \['first-step'\].*'first_step'"):
+        run_conformance("ddp", checks=["first-step"])
+
+
+def test_unknown_backend_is_the_registry_error() -> None:
+    with pytest.raises(UnknownNameError, match="ddp-per-rank-meen") as error:
+        run_conformance("ddp-per-rank-meen", plugins=[THIS_PLUGIN], autoload=False)
+    assert "ddp-per-rank-mean" in str(error.value)  # the close match is suggested
+
+
+def test_unknown_backend_option_is_refused_with_its_path() -> None:
+    with pytest.raises(ValueError, match=r"engine\.options\.bucket_cap_m\b"):
+        run_conformance(
+            "ddp-wrapped-names", options={"bucket_cap_m": 1}, plugins=[THIS_PLUGIN], autoload=False
+        )
+
+
+def test_main_module_cannot_be_a_plugin() -> None:
+    fake_main = type(sys)("__main__")
+    with pytest.raises(ValueError, match="__main__ cannot be imported by the spawned ranks"):
+        run_conformance("ddp", plugins=[fake_main])
+
+
+# -- the batches --------------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_batch_layout_left_pads_prompts_and_right_pads_responses(seed: int) -> None:
+    samples = make_samples(seed)
+    batch = collate(samples)
+    for row, sample in enumerate(samples):
+        p, r = len(sample.prompt), len(sample.response)
+        ids, mask = batch[INPUT_IDS][row], batch[ATTENTION_MASK][row]
+        assert mask.tolist() == [0] * (PROMPT_LENGTH - p) + [1] * (p + r) + [0] * (
+            len(mask) - PROMPT_LENGTH - r
+        )
+        assert ids[mask.bool()].tolist() == sample.input_ids.tolist()
+        assert (ids[~mask.bool()] == PAD_TOKEN_ID).all() and (sample.input_ids != PAD_TOKEN_ID).all()
+        assert batch[POSITION_IDS][row][mask.bool()].tolist() == list(range(p + r))
+        assert batch[RESPONSES][row].tolist() == ids[PROMPT_LENGTH:].tolist()
+        assert batch[RESPONSE_MASK][row, :r].tolist() == sample.loss_mask.tolist()
+        assert (batch[RESPONSE_MASK][row, r:] == 0).all()
+    assert response_token_mask(batch).sum() > batch[RESPONSE_MASK].sum()  # masked-out tokens exist
+
+
+@pytest.mark.parametrize("world_size", [size for size in range(2, BATCH_SIZE + 1) if BATCH_SIZE % size == 0])
+def test_dp_shares_carry_unequal_token_counts(world_size: int) -> None:
+    samples = make_samples(0)
+    tokens = [
+        sum(int(s.loss_mask.sum()) for s in samples[shard(samples, r, world_size)]) for r in range(world_size)
+    ]
+    # Falling response lengths: the first rank carries the most tokens, the last the fewest.
+    assert tokens[0] > tokens[-1] and tokens[0] == max(tokens) and tokens[-1] == min(tokens), tokens
+
+
+def test_world_size_that_does_not_divide_the_batch_is_refused() -> None:
+    with pytest.raises(ValueError, match=f"world_size=5 does not divide.*divides {BATCH_SIZE}"):
+        shard(make_samples(0), 0, 5)
+
+
+def test_tiny_model_architectures(tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    dirs = save_tiny_models(tmp_path, TinyModelSpec(arch="llama"))
+    names = list(AutoModelForCausalLM.from_pretrained(dirs.lm).state_dict())
+    assert names[0] == "model.embed_tokens.weight" and not any(name.endswith("bias") for name in names)
+    with pytest.raises(ValueError, match=r"TinyModelSpec.arch='gpt2': expected one of \['llama', 'qwen2'\]"):
+        TinyModelSpec(arch="gpt2").hf_config()
+
+
+# -- the reference --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return save_tiny_models(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def samples():
+    return make_samples(seed=5)
+
+
+@settings(max_examples=4, deadline=None)
+@given(temperature=st.sampled_from([0.5, 0.7, 1.0, 1.3]))
+def test_reference_outputs_match_the_padded_batch_and_the_written_out_formula(
+    dirs, samples, temperature
+) -> None:
+    model = load_reference_model(dirs.lm, "lm")
+    outputs = reference_outputs(model, samples, "lm", temperature)
+    batch = collate(samples)
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch[INPUT_IDS], attention_mask=batch[ATTENTION_MASK], position_ids=batch[POSITION_IDS]
+        ).logits.double()
+    for row, sample in enumerate(samples):
+        for t, token in enumerate(sample.response.tolist()):
+            z = (logits[row, PROMPT_LENGTH + t - 1] / temperature).tolist()
+            log_normaliser = math.log(sum(math.exp(v) for v in z))
+            expected_log_prob = z[token] - log_normaliser
+            expected_entropy = -sum(math.exp(v - log_normaliser) * (v - log_normaliser) for v in z)
+            assert outputs["log_probs"][row, t].item() == pytest.approx(expected_log_prob, abs=2e-5)
+            assert outputs["entropy"][row, t].item() == pytest.approx(expected_entropy, abs=2e-5)
+        assert (outputs["log_probs"][row, len(sample.response) :] == 0).all()
+
+
+def test_reference_values_are_the_head_output_before_each_response_token(dirs, samples) -> None:
+    model = load_reference_model(dirs.value, "value")
+    values = reference_outputs(model, samples, "value", 1.0)["values"]
+    batch = collate(samples)
+    with torch.no_grad():
+        head = model(
+            input_ids=batch[INPUT_IDS], attention_mask=batch[ATTENTION_MASK], position_ids=batch[POSITION_IDS]
+        ).logits[..., 0]
+    for row, sample in enumerate(samples):
+        r = len(sample.response)
+        torch.testing.assert_close(
+            values[row, :r], head[row, PROMPT_LENGTH - 1 : PROMPT_LENGTH + r - 1], atol=1e-5, rtol=0
+        )
+    # The value model shares the policy's backbone: only the head is new.
+    lm = load_reference_model(dirs.lm, "lm")
+    torch.testing.assert_close(model.model.embed_tokens.weight, lm.model.embed_tokens.weight, atol=0, rtol=0)
+
+
+def test_reference_step_is_one_adamw_step_written_out(dirs, samples) -> None:
+    temperature = 0.7
+    step = reference_step(dirs.lm, "lm", samples, BASE_OPTIM, temperature)
+
+    model = load_reference_model(dirs.lm, "lm")
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    total, tokens = 0.0, 0
+    for sample in samples:
+        logits = model(input_ids=sample.input_ids.unsqueeze(0)).logits[0] / temperature
+        for t, token in enumerate(sample.response.tolist()):
+            if not sample.loss_mask[t]:
+                continue
+            log_p = F.log_softmax(logits[len(sample.prompt) + t - 1], dim=-1)
+            entropy = -(log_p.exp() * log_p).sum()
+            total = total - sample.advantages[t] * log_p[token] - ENTROPY_COEF * entropy
+            tokens += 1
+    loss = total / tokens
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
+    assert step.loss == pytest.approx(float(loss.detach()), rel=1e-5)
+    assert step.grad_norm == pytest.approx(norm, rel=1e-5)
+    assert norm > BASE_OPTIM.clip_grad  # the kit's step exercises clipping
+
+    clip = min(1.0, BASE_OPTIM.clip_grad / (norm + 1e-6))
+    lr, eps, decay = BASE_OPTIM.lr, BASE_OPTIM.eps, BASE_OPTIM.weight_decay
+    for name, p0 in initial.items():
+        g = grads[name] * clip
+        # AdamW's first step: decoupled decay, then m_hat / (sqrt(v_hat) + eps) = g / (|g| + eps).
+        expected = p0 * (1 - lr * decay) - lr * g / (g.abs() + eps)
+        torch.testing.assert_close(
+            step.params[name], expected, atol=2e-7, rtol=0, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+def test_reference_value_step_loss_is_the_masked_squared_error(dirs, samples) -> None:
+    step = reference_step(dirs.value, "value", samples, BASE_OPTIM, temperature=1.0)
+    model = load_reference_model(dirs.value, "value")
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for sample in samples:
+            head = model(input_ids=sample.input_ids.unsqueeze(0)).logits[0, :, 0]
+            for t in range(len(sample.response)):
+                if sample.loss_mask[t]:
+                    total += 0.5 * (float(head[len(sample.prompt) + t - 1]) - float(sample.returns[t])) ** 2
+                    tokens += 1
+    assert step.loss == pytest.approx(total / tokens, rel=1e-5)
+    assert not torch.equal(step.params["score.weight"], model.score.weight)  # the head trains
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    cuts=st.lists(st.integers(1, BATCH_SIZE - 1), max_size=5, unique=True),
+    dp_size=st.sampled_from([1, 2, 3, 4]),
+)
+def test_policy_loss_summed_over_micro_batches_is_the_full_batch_token_mean(cuts, dp_size) -> None:
+    generator = torch.Generator().manual_seed(len(cuts) * 10 + dp_size)
+    batch = collate(make_samples(7))
+    output = {
+        "log_probs": -torch.rand(batch[RESPONSES].shape, generator=generator),
+        "entropy": torch.rand(batch[RESPONSES].shape, generator=generator),
+    }
+    num_tokens = int(batch[RESPONSE_MASK].sum())
+    counts = GlobalCounts(num_tokens=num_tokens, num_seqs=BATCH_SIZE, dp_size=dp_size)
+    bounds = [0, *sorted(cuts), BATCH_SIZE]
+    summed = 0.0
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        micro_batch = attach_global_counts(batch[start:end].clone(), counts)
+        micro_output = {name: values[start:end] for name, values in output.items()}
+        summed += float(policy_loss_fn(micro_output, micro_batch)[0])
+    expected = 0.0
+    for row in range(BATCH_SIZE):
+        for t in range(batch[RESPONSES].shape[1]):
+            if batch[RESPONSE_MASK][row, t]:
+                expected += float(
+                    -batch[ADVANTAGES][row, t] * output["log_probs"][row, t]
+                    - ENTROPY_COEF * output["entropy"][row, t]
+                )
+    # Each rank's losses carry the DP size (it undoes DDP's gradient averaging).
+    assert summed / dp_size == pytest.approx(expected / num_tokens, rel=1e-5)
+
+
+def test_policy_loss_demands_entropy_when_the_batch_asks_for_it() -> None:
+    batch = attach_global_counts(collate(make_samples(0)), GlobalCounts(10, BATCH_SIZE))
+    with pytest.raises(KeyError, match="no 'entropy'.*compute_entropy"):
+        policy_loss_fn({"log_probs": torch.zeros(batch[RESPONSES].shape)}, batch)
+
+
+# -- the comparisons --------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    seed=st.integers(0, 10_000),
+    scale=st.floats(1.5, 100.0),
+    data=st.data(),
+)
+def test_compare_tensors_flags_exactly_the_differences_beyond_tolerance(shape, seed, scale, data) -> None:
+    tolerance = Tolerance(atol=1e-5, rtol=1e-5)
+    expected = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    index = tuple(data.draw(st.integers(0, size - 1)) for size in shape)
+    bound = tolerance.atol + tolerance.rtol * abs(expected[index].item())
+
+    within = expected.clone()
+    within[index] += bound / scale
+    assert compare_tensors("c", "q", within, expected, tolerance, 0).passed
+
+    beyond = expected.clone()
+    beyond[index] += bound * scale
+    result = compare_tensors("c", "q", beyond, expected, tolerance, 0)
+    assert not result.passed
+    assert f"engine {beyond[index].item():.8g}, reference {expected[index].item():.8g}" in result.detail
+    if expected.numel() > 1:  # a single number needs no count or position
+        assert result.detail.startswith(f"1 of {expected.numel()} values differ from the reference; worst at")
+        assert f"at {list(index)}:" in result.detail
+    assert result.max_abs_diff == pytest.approx(bound * scale, rel=1e-6)
+
+    mask = torch.ones(shape, dtype=torch.bool)
+    mask[index] = False
+    assert compare_tensors("c", "q", beyond, expected, tolerance, 0, mask=mask).passed
+
+
+def test_compare_tensors_handles_nan_shapes_and_missing_values() -> None:
+    expected = torch.tensor([1.0, float("nan")])
+    assert compare_tensors("c", "q", expected.clone(), expected, BITWISE, 0).passed  # NaN reproduced
+    one_sided = compare_tensors("c", "q", torch.tensor([float("nan"), float("nan")]), expected, BITWISE, 0)
+    assert not one_sided.passed and "at [0]" in one_sided.detail
+    assert not compare_tensors("c", "q", torch.tensor([1.0, 2.0]), expected, Tolerance(1.0, 1.0), 0).passed
+    wrong_shape = compare_tensors("c", "q", torch.zeros(3), torch.zeros(2), BITWISE, 0)
+    assert not wrong_shape.passed and wrong_shape.detail == "shape [3] but reference [2]"
+    assert not compare_tensors("c", "q", None, torch.zeros(2), BITWISE, 0).passed
+    assert not compare_scalars("c", "loss", None, 1.0, BITWISE, 0).passed
+    # Scalars compare in float64: a difference below float32's resolution still counts.
+    assert not compare_scalars("c", "loss", 1.0 + 1e-12, 1.0, BITWISE, 0).passed
+
+
+def test_compare_state_dicts_reports_names_order_shapes_and_values() -> None:
+    expected = {"a": torch.zeros(2), "b": torch.zeros(3), "c": torch.zeros(1)}
+    actual = [("b", torch.zeros(3)), ("a", torch.ones(2)), ("x", torch.zeros(1)), ("c", torch.zeros(2))]
+    by_aspect = {c.quantity: c for c in compare_state_dicts("c", "export", actual, expected, BITWISE, 0)}
+    assert by_aspect["export names"].detail == "unexpected 'x' (expected the 3 tensors of the reference)"
+    assert by_aspect["export order"].detail == "position 0 holds 'b' but the reference has 'a' there"
+    assert by_aspect["export shapes"].detail == "c [2] vs [1]"
+    assert (
+        not by_aspect["export values"].passed
+        and "1 of 2 tensors differ (a)" in by_aspect["export values"].detail
+    )
+    same = compare_state_dicts("c", "export", list(expected.items()), expected, BITWISE, 0)
+    assert all(c.passed for c in same)
+
+
+def test_outcomes_merge_ranks() -> None:
+    ok = Comparison("c", "q", 0, True, "fine", 0.0)
+    bad = Comparison("c", "q", 1, False, "off by 1", 1.0)
+    merge = CheckOutcome.merge
+    assert merge("c", [RankRecord("c", 0, "passed", (ok,)), RankRecord("c", 1, "passed", (ok,))], 2).passed
+    assert (
+        merge("c", [RankRecord("c", 0, "passed", (ok,)), RankRecord("c", 1, "passed", (bad,))], 2).status
+        == "failed"
+    )
+    missing = merge("c", [RankRecord("c", 0, "passed", (ok,))], 2)
+    assert missing.status == "error" and "rank(s) [1] did not finish" in missing.describe()
+    skipped = merge(
+        "c", [RankRecord("c", 0, "skipped", reason="n/a"), RankRecord("c", 1, "skipped", reason="n/a")], 2
+    )
+    assert skipped.status == "skipped" and skipped.reasons == ("ranks 0, 1: n/a",)
+    vacuous = merge("c", [RankRecord("c", 0, "passed")], 1)
+    assert vacuous.status == "error" and "proved nothing" in vacuous.describe()
+
+
+@pytest.mark.parametrize(
+    ("statuses", "expected"),
+    [((True, True), True), ((True, False), False), ((False, False), False), ((True, None), False)],
+    ids=["all fine", "one raised", "both raised", "one silent"],
+)
+def test_ranks_continue_only_when_every_rank_finished_the_check(statuses, expected) -> None:
+    store = dist.HashStore()
+    answers = {}
+
+    def rank_main(rank: int, fine: bool) -> None:
+        answers[rank] = _all_ranks_fine(store, "first_step", rank, len(statuses), fine, timeout_s=2)
+
+    threads = [
+        threading.Thread(target=rank_main, args=(rank, fine))
+        for rank, fine in enumerate(statuses)
+        if fine is not None  # a rank stuck inside the check never reports
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(answer is expected for answer in answers.values()), answers

@@ -1,0 +1,234 @@
+"""Every developer and CI task of this repository. Plain ``nox`` is the full CI run.
+
+Sessions (``nox -l`` lists them): ``lint``, ``tests``, ``build``, ``install_check`` (builds first),
+``bench``. ``nox -r`` reuses the virtual environments of a previous run. Every environment gets
+``torch==2.13.0`` first: pip takes that CPU build from this machine's wheel folder, whereas a range
+admitting a newer torch would download a multi-GB CUDA build.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import json
+import os
+import shutil
+import sys
+import zipfile
+from pathlib import Path
+
+import nox
+import tomllib
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+nox.needs_version = ">=2024.4.15"  # session ``requires``
+nox.options.sessions = ["lint", "tests", "install_check"]
+
+PYTHON = "3.11"
+TORCH = "torch==2.13.0"
+#: Byte-compiling torch's sources at install time doubles its install time; Python compiles on import.
+NO_COMPILE = "--no-compile"
+RUFF = "ruff==0.17.6"  # the version the team formats with: another version may format differently
+
+REPO = Path(__file__).resolve().parent
+DIST = REPO / "dist"
+FIRST_PARTY_PLUGINS = [REPO / "verl_fsdp_plugin", REPO / "verl_megatron_plugin"]
+#: Third-party-style plugins: every folder under plugins/ is a complete distribution.
+EXAMPLE_PLUGINS = sorted(pyproject.parent for pyproject in REPO.glob("plugins/*/pyproject.toml"))
+PLUGINS = FIRST_PARTY_PLUGINS + EXAMPLE_PLUGINS
+
+
+def _relative(path: Path) -> str:
+    return str(path.relative_to(REPO))
+
+
+def _install_editable(session: nox.Session) -> None:
+    """torch first, then core with its test extra and every plugin distribution, editable."""
+    session.install(NO_COMPILE, TORCH)
+    editables = [arg for plugin in PLUGINS for arg in ("-e", _relative(plugin))]
+    session.install(NO_COMPILE, "-e", ".[test]", *editables)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """Run core's tests/ and every plugin distribution's tests/ against editable installs.
+
+    Arguments after ``--`` go to pytest; paths among them replace the default suites
+    (``nox -s tests -- tests/test_packaging.py -x``).
+    """
+    _install_editable(session)
+    suites = [_relative(directory / "tests") for directory in [REPO, *PLUGINS]]
+    paths_given = any(Path(arg).exists() for arg in session.posargs if not arg.startswith("-"))
+    # importlib mode: each distribution's tests/ may hold a module of the same name (test_conformance.py).
+    # It names them by their path from the repository root (tests.test_engine_loop), and ``python -m``
+    # puts that root on sys.path, so ranks spawned by a test can import the test module too.
+    paths = [] if paths_given else suites
+    session.run("python", "-m", "pytest", "--import-mode=importlib", *paths, *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """``ruff check`` and ``ruff format --check`` over the whole repository."""
+    session.install(RUFF)
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON)
+def build(session: nox.Session) -> None:
+    """Build the sdist and wheel of every distribution into dist/ (isolated builds, wheels from sdists)."""
+    session.install("build")
+    shutil.rmtree(DIST, ignore_errors=True)
+    for directory in [REPO, *PLUGINS]:
+        session.run("python", "-m", "build", "--outdir", _relative(DIST), _relative(directory))
+
+
+@nox.session(python=False, requires=["build"])
+def install_check(session: nox.Session) -> None:
+    """Install the built wheels into fresh environments and check what users get.
+
+    1. ``verl-core[fsdp]`` and the ``verl-ddp`` example: our packages come from dist/ only
+       (``--no-index``), the ``ddp`` backend is discovered from its wheel's entry point,
+       verl-fsdp-plugin is installed at the version core's extra pins, and ``verl_core`` is
+       imported from site-packages, not from this checkout.
+    2. ``verl-core`` alone: only core's own plugin is listed, and asking for the ``megatron`` backend
+       tells the user the pip command that installs it.
+    """
+    venv = _fresh_venv(session, "fsdp")
+    _install_from_dist(session, venv, ["verl-core[fsdp]", "verl-ddp"])
+    rows = _plugin_rows(session, venv)
+    ddp = [row for row in rows if row["backend"] == "ddp"]
+    if [(row["distribution"], row["status"]) for row in ddp] != [("verl-ddp", "ok")]:
+        session.error(f"expected one 'ddp' backend from distribution verl-ddp with status ok, got {ddp}")
+    _check_fsdp_plugin_version(session, venv)
+    _check_core_imported_from_site_packages(session, venv)
+
+    venv = _fresh_venv(session, "core")
+    _install_from_dist(session, venv, ["verl-core"])
+    distributions = {row["distribution"] for row in _plugin_rows(session, venv)}
+    if distributions != {"verl-core"}:
+        session.error(
+            f"a core-only install lists plugins from {sorted(distributions)}, expected verl-core only"
+        )
+    _check_megatron_install_hint(session, venv)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Run the benchmark scripts in benchmarks/ (all, or those named after ``--``: ``-- algos``)."""
+    _install_editable(session)
+    scripts = {script.stem: script for script in sorted(REPO.glob("benchmarks/*.py"))}
+    unknown = sorted(set(session.posargs) - set(scripts))
+    if not scripts or unknown:
+        session.error(f"no benchmark named {unknown} in benchmarks/; there are: {sorted(scripts)}")
+    for name, script in scripts.items():
+        if not session.posargs or name in session.posargs:
+            session.run("python", _relative(script))
+
+
+# -- install check helpers ---------------------------------------------------------------------------
+
+
+def _fresh_venv(session: nox.Session, name: str) -> Path:
+    """A new, empty virtual environment under the session's tmp/ (kept after the run for inspection)."""
+    location = Path(session.create_tmp()) / name
+    session.run(sys.executable, "-m", "virtualenv", "--quiet", "--clear", "--python", PYTHON, str(location))
+    return location / "bin"
+
+
+def _install_from_dist(session: nox.Session, venv: Path, requested: list[str]) -> None:
+    """Install ``requested`` with our distributions taken from dist/ only.
+
+    torch first, then the other third-party dependencies from the index; then pip installs our wheels
+    with ``--no-index``, so a missing or stale wheel in dist/ fails instead of being fetched elsewhere.
+    """
+    pip = [str(venv / "python"), "-m", "pip", "install", "--quiet", NO_COMPILE]
+    session.run(*pip, TORCH)
+    session.run(*pip, *_third_party_requirements(requested))
+    session.run(*pip, "--no-index", "--find-links", _relative(DIST), *requested)
+
+
+def _third_party_requirements(requested: list[str]) -> list[str]:
+    """The requirements from outside this repository that installing ``requested`` from dist/ pulls in,
+    found by following the Requires-Dist metadata of our wheels (extras included)."""
+    wheels = {canonicalize_name(wheel.name.split("-")[0]): wheel for wheel in DIST.glob("*.whl")}
+    pending, visited, third_party = [Requirement(r) for r in requested], set(), set()
+    while pending:
+        requirement = pending.pop()
+        name = canonicalize_name(requirement.name)
+        if name not in wheels:
+            third_party.add(str(requirement))
+            continue
+        if (name, frozenset(requirement.extras)) in visited:
+            continue
+        visited.add((name, frozenset(requirement.extras)))
+        environments = [{"extra": extra} for extra in ("", *requirement.extras)]
+        for dependency in _wheel_requirements(wheels[name]):
+            if dependency.marker is None or any(dependency.marker.evaluate(env) for env in environments):
+                dependency.marker = None  # evaluated here: an ``extra == ...`` marker means nothing to pip
+                pending.append(dependency)
+    return sorted(third_party)
+
+
+def _wheel_requirements(wheel: Path) -> list[Requirement]:
+    with zipfile.ZipFile(wheel) as archive:
+        (metadata_file,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        metadata = email.parser.Parser().parsestr(archive.read(metadata_file).decode())
+    return [Requirement(line) for line in metadata.get_all("Requires-Dist") or []]
+
+
+def _run_python(session: nox.Session, venv: Path, code: str) -> str:
+    """Run ``code`` in the venv in isolated mode (no PYTHONPATH, no cwd on sys.path); return stdout."""
+    return _run(session, venv / "python", "-I", "-c", code)
+
+
+def _run(session: nox.Session, *command: str | Path) -> str:
+    # The plugin switches of the calling shell (VERL_CORE_BLOCK_PLUGINS, ...) must not change what is checked.
+    clean = {name: None for name in os.environ if name.startswith("VERL_CORE_")}
+    output = session.run(*map(str, command), env=clean, silent=True, stderr=None)
+    assert isinstance(output, str)
+    return output
+
+
+def _plugin_rows(session: nox.Session, venv: Path) -> list[dict]:
+    rows = json.loads(_run(session, venv / "verl-core", "plugins", "--json"))
+    session.log(f"verl-core plugins --json: {[(r['plugin'], r['backend'], r['distribution']) for r in rows]}")
+    return rows
+
+
+def _check_fsdp_plugin_version(session: nox.Session, venv: Path) -> None:
+    with open(REPO / "pyproject.toml", "rb") as f:
+        fsdp_extra = map(Requirement, tomllib.load(f)["project"]["optional-dependencies"]["fsdp"])
+    (pin,) = [r for r in fsdp_extra if canonicalize_name(r.name) == "verl-fsdp-plugin"]
+    code = "import importlib.metadata as m; print(m.version('verl-fsdp-plugin'))"
+    installed = _run_python(session, venv, code).strip()
+    if not pin.specifier.contains(installed):
+        session.error(f"verl-core[fsdp] pins {pin} but verl-fsdp-plugin {installed} got installed")
+
+
+def _check_core_imported_from_site_packages(session: nox.Session, venv: Path) -> None:
+    code = "import sysconfig, verl_core; print(verl_core.__file__); print(sysconfig.get_paths()['purelib'])"
+    module_file, site_packages = _run_python(session, venv, code).split()
+    if not Path(module_file).is_relative_to(site_packages):
+        session.error(f"verl_core is imported from {module_file}, not from the wheel in {site_packages}")
+
+
+_MEGATRON_PROBE = """
+from verl_core.errors import UnknownNameError
+from verl_core.plugins import get_registry
+
+try:
+    backend = get_registry().get("engine_backends", "megatron")
+except UnknownNameError as error:
+    print(error)
+else:
+    raise SystemExit(f"a core-only install resolved the megatron backend: {backend!r}")
+"""
+
+
+def _check_megatron_install_hint(session: nox.Session, venv: Path) -> None:
+    message = _run_python(session, venv, _MEGATRON_PROBE)
+    session.log(f"asking a core-only install for 'megatron' says: {message}")
+    hint = 'pip install "verl-core[megatron]"'
+    if hint not in message:
+        session.error(f"asking a core-only install for 'megatron' should say {hint!r}; it said:\n{message}")

@@ -52,17 +52,18 @@ class EngineConformance:
             )
 
     @pytest.fixture(scope="class")
-    def conformance_report(self, conformance_world_size: int) -> ConformanceReport:
-        if not self.backend:
-            pytest.fail(f"{type(self).__name__}: set the class attribute backend = '<engine backend name>'")
+    @classmethod
+    def conformance_report(cls, conformance_world_size: int) -> ConformanceReport:
+        if not cls.backend:
+            pytest.fail(f"{cls.__name__}: set the class attribute backend = '<engine backend name>'")
         return run_conformance(
-            self.backend,
+            cls.backend,
             conformance_world_size,
-            options=self.options,
-            plugins=self.plugins,
-            autoload=self.autoload,
-            device=self.device,
-            timeout_s=self.timeout_s,
+            options=cls.options,
+            plugins=cls.plugins,
+            autoload=cls.autoload,
+            device=cls.device,
+            timeout_s=cls.timeout_s,
         )
 
     def test_log_probs_and_entropy(self, conformance_report: ConformanceReport) -> None:

@@ -167,3 +167,14 @@ def test_first_party_distribution_installed_without_the_backend(dists):
         in (message)
     )
     assert "Note: a broken plugin might provide it: plugin 'megatron' (verl-megatron-plugin 9.9)" in message
+
+
+def test_first_party_distribution_without_an_entry_point_asks_for_an_upgrade(dists):
+    dists.add("verl-megatron-plugin", "9.9", {})  # an early release that registers no backend yet
+    with pytest.raises(UnknownNameError) as caught:
+        Registry.from_plugins(autoload=True).get("engine_backends", "megatron")
+    assert (
+        "verl-megatron-plugin 9.9 is installed but provides no 'megatron' engine backend: this release declares "
+        "no 'verl_core.plugins' entry point. Upgrade to a release that does: "
+        'pip install -U "verl-core[megatron]"' in str(caught.value)
+    )

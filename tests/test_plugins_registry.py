@@ -125,6 +125,19 @@ def test_unknown_first_party_backend_names_its_distribution(name, distribution, 
     assert expected in str(caught.value)
 
 
+def test_misspelled_first_party_backend_suggests_it_with_its_pip_extra(monkeypatch):
+    monkeypatch.setitem(FIRST_PARTY, "engine_backends", {"tpu": ("verl-tpu-plugin-not-installed", "tpu")})
+    with pytest.raises(UnknownNameError) as caught:
+        Registry.from_plugins().get("engine_backends", "tpuu", where="actor.engine.backend")
+    message = str(caught.value)
+    assert "Unknown engine backend 'tpuu' (from actor.engine.backend)" in message
+    assert "Did you mean 'tpu'?" in message
+    assert (
+        "The 'tpu' engine backend ships in verl-tpu-plugin-not-installed: pip install \"verl-core[tpu]\""
+        in message
+    )
+
+
 def test_unknown_first_party_backend_that_is_not_installed_gives_the_pip_extra(monkeypatch):
     monkeypatch.setitem(FIRST_PARTY, "engine_backends", {"tpu": ("verl-tpu-plugin-not-installed", "tpu")})
     with pytest.raises(UnknownNameError) as caught:

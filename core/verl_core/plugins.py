@@ -500,12 +500,14 @@ class Registry:
             lines.append(f"Installed {kind.plural}: {listed}.")
         else:
             lines.append(f"No {kind.plural} are installed.")
-        match = _close_match(name, {entry.name for entry in installed})
-        if match:
+        # First-party names count as candidates even when not installed: 'megatorn' -> 'megatron'.
+        first_party_names = FIRST_PARTY.get(kind.kind, {})
+        match = _close_match(name, {entry.name for entry in installed} | set(first_party_names))
+        if match and match != name:
             lines.append(f"Did you mean '{match}'?")
-        first_party = FIRST_PARTY.get(kind.kind, {}).get(name)
-        if first_party:
-            lines.append(self._first_party_hint(kind, name, *first_party))
+        hinted = name if name in first_party_names else match
+        if hinted in first_party_names and hinted not in {entry.name for entry in installed}:
+            lines.append(self._first_party_hint(kind, hinted, *first_party_names[hinted]))
         broken = [info for info in self.plugin_manager.infos if info.status != "ok"]
         for info in broken:
             detail = info.error if info.status == "broken" else f"{info.provider} is {info.error}"
@@ -530,6 +532,11 @@ class Registry:
             return f"{hint}: plugin autoload is disabled ({ENV_DISABLE_AUTOLOAD}=1); list its module in {ENV_PLUGINS}."
         if any(info.status != "ok" for info in loaded):
             return f"{hint}: its plugin is not loaded (see the note below)."
+        if not loaded:
+            return (
+                f"{hint}: this release declares no '{hookspecs.ENTRY_POINT_GROUP}' entry point. "
+                f'Upgrade to a release that does: pip install -U "verl-core[{extra}]"'
+            )
         return f'{hint}; reinstall a matching release: pip install --force-reinstall "verl-core[{extra}]"'
 
 

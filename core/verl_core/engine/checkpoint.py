@@ -72,8 +72,9 @@ def atomic_checkpoint(
     barrier(group)  # ``path`` is in place before any rank returns
 
 
-def open_checkpoint(path: str | os.PathLike) -> tuple[Path, CheckpointInfo]:
-    """The directory to load ``path`` from, and its marker; refuses anything incomplete.
+def open_checkpoint(path: str | os.PathLike, backend: str | None = None) -> tuple[Path, CheckpointInfo]:
+    """The directory to load ``path`` from, and its marker; refuses anything incomplete and, when
+    ``backend`` is given, checkpoints written by another engine backend.
 
     Returns ``path`` itself, or, when a save crashed between moving the old checkpoint aside and
     renaming the new one into place, whichever of the two is complete (the new one first).
@@ -82,7 +83,14 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[Path, CheckpointInfo]:
     candidates = [final] if final.exists() else [*_siblings(final)]
     for directory in candidates:
         if (directory / MARKER_FILE).is_file():
-            return directory, read_checkpoint_info(directory)
+            info = read_checkpoint_info(directory)
+            if backend is not None and info.backend != backend:
+                raise CheckpointError(
+                    f"{directory} was saved by engine backend '{info.backend}', but this is the "
+                    f"'{backend}' backend, which cannot read it: resume with engine.backend={info.backend}, "
+                    "or start from a Hugging Face export (save_hf_model)"
+                )
+            return directory, info
     if final.exists():
         raise CheckpointError(
             f"incomplete checkpoint at {final}: it has no {MARKER_FILE}, so a save was interrupted "

@@ -1,0 +1,509 @@
+"""FSDP engine properties checked on spawned ranks, for ``test_fsdp_engine.py`` and ``test_fsdp_gpu.py``.
+
+``spawn(job, world_size, workdir)`` (the test side) starts one process per rank running this file as
+a script, ``python fsdp_jobs.py <job> <rank> <world_size> <workdir>`` (the rank side). Each rank runs
+its job's properties in order and writes ``<job>_rank<rank>.json`` mapping each property to ``null``
+(it holds) or why it does not. Properties run the engine's collectives in the same order on every
+rank. The tiny model must already be in ``<workdir>/model``. Tests load this file by path (the
+``fsdp_jobs`` fixture of conftest.py); pytest does not collect it.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor, Shard
+
+from verl_core.config.engine import MicroBatchConfig
+from verl_core.plugins import Registry
+from verl_core.testing.checks import (
+    CHECKPOINT_OPTIM,
+    STEP_PARAM_TOLERANCE,
+    RankContext,
+    exported,
+    infer,
+    train_step,
+)
+from verl_core.testing.losses import policy_loss_fn
+from verl_core.testing.reference import load_reference_model
+from verl_core.testing.report import BITWISE, Comparison, Tolerance, compare_scalars, compare_state_dicts
+from verl_core.testing.tiny import ModelDirs
+from verl_fsdp.config import FSDPConfig
+from verl_fsdp.sharding import fsdp_units
+
+#: Where the 2-rank job leaves its checkpoint and what the 1-rank job must find in it.
+CHECKPOINT = "checkpoint_2ranks"
+SAVED_STATE = "saved_state.pt"  # weights, full AdamW state and lr at the save (rank 0 writes it)
+CONTINUED = "continued_2ranks.pt"  # the uninterrupted 2-rank step 2: metrics and weights
+HF_EXPORT = "hf_export"
+#: A step on 2 ranks vs 1 rank: the same batch, other reduction orders (see the kit's tolerances).
+ACROSS_WORLD_SIZES = Tolerance(atol=1e-6, rtol=1e-5)
+
+Property = Callable[[RankContext], None]
+
+
+# -- the test side ---------------------------------------------------------------------------------
+
+#: A job that takes longer is hung (the ranks' collectives time out after 60 s by themselves).
+JOB_TIMEOUT_S = 300
+
+
+class JobFailed(RuntimeError):
+    """A rank of a job crashed or the job timed out; the message holds the ranks' log tails."""
+
+
+def spawn(job: str, world_size: int, workdir: Path) -> list[dict[str, str | None]]:
+    """Run ``job`` on ``world_size`` processes; return each rank's results (property -> failure)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    logs = [workdir / f"{job}_rank{rank}.log" for rank in range(world_size)]
+    processes = []
+    for rank, log in enumerate(logs):
+        with open(log, "w") as output:
+            command = [sys.executable, __file__, job, str(rank), str(world_size), str(workdir)]
+            processes.append(subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env))
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    try:
+        for process in processes:
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    failed = [rank for rank, process in enumerate(processes) if process.returncode != 0]
+    if failed:
+        tails = "\n".join(f"--- rank {rank}:\n{logs[rank].read_text()[-3000:]}" for rank in failed)
+        raise JobFailed(f"job {job!r}: rank(s) {failed} failed or timed out ({JOB_TIMEOUT_S} s)\n{tails}")
+    return [json.loads((workdir / f"{job}_rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def failures(results: list[dict[str, str | None]], prop: str) -> str:
+    """Why ``prop`` failed, per rank; empty when it holds on every rank."""
+    return "\n".join(f"rank {rank}: {r[prop]}" for rank, r in enumerate(results) if r[prop] is not None)
+
+
+# -- helpers of the rank side ----------------------------------------------------------------------
+
+
+def require(comparisons: list[Comparison]) -> None:
+    """Raise with every failed comparison described."""
+    failed = [c.describe() for c in comparisons if not c.passed]
+    if failed:
+        raise AssertionError("\n".join(failed))
+
+
+def with_options(ctx: RankContext, **options: object) -> RankContext:
+    return attrs.evolve(ctx, options=FSDPConfig(**options))
+
+
+@contextmanager
+def counting_reduce_scatters() -> Iterator[list[torch.dtype]]:
+    """Record the input dtype of every gradient reduce-scatter FSDP issues inside the block."""
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    original = getattr(dist, name)
+    dtypes: list[torch.dtype] = []
+
+    def spy(output: torch.Tensor, input: torch.Tensor, *args: object, **kwargs: object):
+        dtypes.append(input.dtype)
+        return original(output, input, *args, **kwargs)
+
+    setattr(dist, name, spy)
+    try:
+        yield dtypes
+    finally:
+        setattr(dist, name, original)
+
+
+# -- properties of the 2-rank job -------------------------------------------------------------------
+
+
+def layout(ctx: RankContext) -> None:
+    """Each decoder layer, then the root, is an FSDP unit; every parameter is a dim-0 shard over both
+    ranks; buffers (the rotary inv_freq, not in the state dict) equal the Hugging Face model's."""
+    engine = ctx.engine()
+    units = [type(unit).__name__ for unit in fsdp_units(engine.model)]
+    assert units == ["FSDPQwen2ForCausalLM", "FSDPQwen2DecoderLayer", "FSDPQwen2DecoderLayer"], units
+    for name, parameter in engine.model.named_parameters():
+        assert isinstance(parameter, DTensor), f"{name} is a {type(parameter).__name__}, not a DTensor"
+        assert parameter.placements == (Shard(0),), f"{name}: placements {parameter.placements}"
+        assert parameter.device_mesh.size() == ctx.world_size, f"{name}: mesh {parameter.device_mesh}"
+        expected_rows = -(-parameter.shape[0] // ctx.world_size)  # FSDP pads the last shard
+        assert parameter.to_local().shape[0] <= expected_rows, f"{name}: local {parameter.to_local().shape}"
+    buffers = dict(engine.model.named_buffers())
+    assert "model.rotary_emb.inv_freq" in buffers, sorted(buffers)
+    reference = dict(load_reference_model(ctx.dirs.lm, "lm").named_buffers())
+    require(
+        compare_state_dicts("layout", "buffers", buffers.items(), reference, BITWISE, ctx.rank, "HF model")
+    )
+
+
+def shards_registered_after_inference(ctx: RankContext) -> None:
+    """After inference the module holds its shards again, whatever ``reshard_after_forward`` says
+    (the root keeps gathered parameters after forward; only a backward would reshard it)."""
+    for reshard in (True, False):
+        engine = with_options(ctx, reshard_after_forward=reshard).engine()
+        infer(engine, ctx.local_batch("A"))
+        gathered = [n for n, p in engine.model.named_parameters() if not isinstance(p, DTensor)]
+        assert not gathered, f"reshard_after_forward={reshard}: gathered after inference: {gathered}"
+
+
+def gradients_reduced_once_per_step(ctx: RankContext) -> None:
+    """With 6 micro-batches per rank, each unit reduce-scatters its gradients once, not 6 times."""
+    engine = ctx.engine(micro_batch=MicroBatchConfig(micro_batch_size=1))
+    assert len(ctx.share("A", ctx.rank)) == 6
+    with counting_reduce_scatters() as reductions:
+        train_step(engine, ctx.local_batch("A"))
+    assert len(reductions) == len(fsdp_units(engine.model)) == 3, f"{len(reductions)} reduce-scatters"
+
+
+def mixed_precision(ctx: RankContext) -> None:
+    """``param_dtype: bfloat16`` computes in bf16 on fp32 master weights; ``reduce_dtype`` decides the
+    dtype gradients are reduced in (default: ``param_dtype``)."""
+    reference = ctx.engine()
+    expected = infer(reference, ctx.local_batch("A"))["log_probs"]
+    expected_loss = train_step(reference, ctx.local_batch("A"))["loss"]
+    for reduce_dtype, reduced_in in (("float32", torch.float32), (None, torch.bfloat16)):
+        engine = with_options(ctx, param_dtype="bfloat16", reduce_dtype=reduce_dtype).engine()
+        seen: list[torch.dtype] = []
+        engine.model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(
+            lambda module, args, seen=seen: seen.append(module.weight.dtype)
+        )
+        log_probs = infer(engine, ctx.local_batch("A"))["log_probs"]
+        with counting_reduce_scatters() as reductions:
+            loss = train_step(engine, ctx.local_batch("A"))["loss"]
+        assert seen and set(seen) == {torch.bfloat16}, f"forward weights in {set(seen)}"
+        assert {p.dtype for p in engine.model.parameters()} == {torch.float32}, "master weights not fp32"
+        if ctx.world_size > 1:  # one rank has nothing to reduce: FSDP skips the collective
+            assert set(reductions) == {reduced_in}, (
+                f"reduce_dtype={reduce_dtype}: reduced in {set(reductions)}"
+            )
+        difference = float((log_probs - expected).abs().max())
+        assert 1e-5 < difference < 0.1, f"bf16 log-probs differ from fp32 by {difference}"
+        assert abs(loss - expected_loss) < 0.05 * abs(expected_loss), f"loss {loss} vs fp32 {expected_loss}"
+
+
+def cpu_offload(ctx: RankContext) -> None:
+    """``cpu_offload`` (CPUOffloadPolicy without pinned memory on a CPU-only machine) trains exactly
+    like the default layout, and ``to()`` leaves its state on the CPU."""
+    results = []
+    for options in ({}, {"cpu_offload": True}):
+        engine = with_options(ctx, **options).engine()
+        metrics = train_step(engine, ctx.local_batch("A"))
+        engine.to("cpu")
+        engine.to(str(engine.device))
+        metrics_2 = train_step(engine, ctx.local_batch("B"))
+        results.append((metrics, metrics_2, exported(engine)))
+    (base_1, base_2, base_params), (offload_1, offload_2, offload_params) = results
+    require(
+        [
+            compare_scalars(
+                "cpu_offload", f"step {i} {key}", got[key], want[key], BITWISE, ctx.rank, "default"
+            )
+            for i, (got, want) in enumerate(((offload_1, base_1), (offload_2, base_2)), start=1)
+            for key in ("loss", "grad_norm")
+        ]
+        + compare_state_dicts(
+            "cpu_offload",
+            "weights after step 2",
+            offload_params,
+            dict(base_params),
+            BITWISE,
+            ctx.rank,
+            "default",
+        )
+    )
+
+
+def custom_units(ctx: RankContext) -> None:
+    """``shard_modules`` picks other unit classes; the step is the same as with decoder-layer units."""
+    engine = with_options(ctx, shard_modules=("Qwen2Attention", "Qwen2MLP")).engine()
+    units = collections.Counter(type(unit).__name__ for unit in fsdp_units(engine.model))
+    assert units == {"FSDPQwen2ForCausalLM": 1, "FSDPQwen2Attention": 2, "FSDPQwen2MLP": 2}, units
+    metrics = train_step(engine, ctx.local_batch("A"))
+    step = ctx.reference_step()
+    require(
+        [compare_scalars("custom_units", "loss", metrics["loss"], step.loss, ACROSS_WORLD_SIZES, ctx.rank)]
+        + compare_state_dicts(
+            "custom_units",
+            "weights after step 1",
+            exported(engine),
+            step.params,
+            STEP_PARAM_TOLERANCE,
+            ctx.rank,
+        )
+    )
+
+
+def recovers_from_a_failed_step(ctx: RankContext) -> None:
+    """A loss function that raises mid-step (after a backward under ``no_sync``) leaves the engine
+    usable: the next step equals the reference step, as if the failed one never happened."""
+    engine = ctx.engine()
+    calls = []
+
+    def failing_loss(model_output, micro_batch, dp_group):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("loss failed on purpose")
+        return policy_loss_fn(model_output, micro_batch, dp_group)
+
+    try:
+        with engine.train_mode():
+            engine.train_batch(ctx.local_batch("A"), failing_loss)
+    except RuntimeError as error:
+        assert "on purpose" in str(error), error
+    else:
+        raise AssertionError("the failing loss did not raise")
+    metrics = train_step(engine, ctx.local_batch("A"))
+    step = ctx.reference_step()
+    require(
+        [compare_scalars("recovery", "loss", metrics["loss"], step.loss, ACROSS_WORLD_SIZES, ctx.rank)]
+        + compare_state_dicts(
+            "recovery",
+            "weights after the step",
+            exported(engine),
+            step.params,
+            STEP_PARAM_TOLERANCE,
+            ctx.rank,
+        )
+    )
+
+
+def export_gathers_one_tensor_at_a_time(ctx: RankContext) -> None:
+    """``get_per_tensor_param`` gathers each tensor only when the consumer asks for it."""
+    engine = ctx.engine()
+    original = DTensor.full_tensor
+    gathers = []
+
+    def spy(self: DTensor, *args: object, **kwargs: object) -> torch.Tensor:
+        gathers.append(self.shape)
+        return original(self, *args, **kwargs)
+
+    DTensor.full_tensor = spy
+    try:
+        weights = engine.get_per_tensor_param()
+        name, first = next(weights)
+        assert len(gathers) == 1 and first.shape == gathers[0], f"{len(gathers)} gathers for one tensor"
+        rest = list(weights)  # every rank finishes the iteration: each gather is a collective
+    finally:
+        DTensor.full_tensor = original
+    assert len(gathers) == 1 + len(rest), f"{len(gathers)} gathers for {1 + len(rest)} tensors"
+
+
+def checkpoint_at_two_ranks(ctx: RankContext) -> None:
+    """Step 1, save (for the 1-rank job to load), step 2; record what the resumed run must match."""
+    engine = ctx.engine(optim=CHECKPOINT_OPTIM)
+    train_step(engine, ctx.local_batch("A"))
+    engine.save_checkpoint(str(ctx.workdir / CHECKPOINT), global_step=1)
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    saved = {
+        "weights": exported(engine),
+        # A copy: the state dict shares AdamW's ``step`` tensors, which step 2 increments in place.
+        "optimizer": copy.deepcopy(get_optimizer_state_dict(engine.model, engine.optimizer, options=full)),
+        "lr": engine.get_lr(),
+    }
+    metrics = train_step(engine, ctx.local_batch("B"))
+    continued = {"metrics": metrics, "weights": exported(engine)}
+    if ctx.rank == 0:
+        torch.save(saved, ctx.workdir / SAVED_STATE)
+        torch.save(continued, ctx.workdir / CONTINUED)
+
+
+def hf_export(ctx: RankContext) -> None:
+    """``save_hf_model`` on every rank; the test reads what rank 0 wrote."""
+    ctx.engine().save_hf_model(str(ctx.workdir / HF_EXPORT))
+
+
+# -- properties of the 1-rank job -------------------------------------------------------------------
+
+
+def resumes_checkpoint_of_two_ranks(ctx: RankContext) -> None:
+    """A checkpoint saved at 2 ranks loads at 1 (DCP reshards): the same weights, AdamW state and lr,
+    and the next step on the whole batch matches the 2-rank continuation."""
+    saved = torch.load(ctx.workdir / SAVED_STATE, weights_only=False)
+    continued = torch.load(ctx.workdir / CONTINUED, weights_only=False)
+    engine = ctx.engine(optim=CHECKPOINT_OPTIM)
+    step = engine.load_checkpoint(str(ctx.workdir / CHECKPOINT))
+    assert step == 1, step
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    optimizer = get_optimizer_state_dict(engine.model, engine.optimizer, options=full)
+    comparisons = compare_state_dicts(
+        "resume", "weights", exported(engine), dict(saved["weights"]), BITWISE, 0, "2-rank save"
+    )
+    comparisons.append(
+        compare_scalars("resume", "lr", engine.get_lr(), saved["lr"], BITWISE, 0, "2-rank save")
+    )
+    for name, state in saved["optimizer"]["state"].items():
+        comparisons += compare_state_dicts(
+            "resume",
+            f"AdamW state of {name}",
+            optimizer["state"][name].items(),
+            state,
+            BITWISE,
+            0,
+            "2-rank save",
+        )
+    metrics = train_step(engine, ctx.local_batch("B"))  # one rank: the whole batch B
+    for key in ("loss", "grad_norm", "lr"):
+        comparisons.append(
+            compare_scalars(
+                "resume",
+                f"step 2 {key}",
+                metrics[key],
+                continued["metrics"][key],
+                ACROSS_WORLD_SIZES,
+                0,
+                "2 ranks",
+            )
+        )
+    comparisons += compare_state_dicts(
+        "resume",
+        "weights after step 2",
+        exported(engine),
+        dict(continued["weights"]),
+        STEP_PARAM_TOLERANCE,
+        0,
+    )
+    require(comparisons)
+
+
+def refuses_moving_parameters_without_gradients(ctx: RankContext) -> None:
+    engine = ctx.engine()
+    try:
+        engine.to("cpu", model=True, grad=False)
+    except ValueError as error:
+        assert "move both (model=True, grad=True) or neither" in str(error), error
+    else:
+        raise AssertionError("to(model=True, grad=False) was accepted on a sharded engine")
+
+
+# -- properties of the CUDA job (test_fsdp_gpu.py; backend cpu:gloo,cuda:nccl) ----------------------------
+
+#: fp32 on CUDA against fp32 on CUDA with another layout or placement: TF32 is off by default for
+#: matmuls, so differences are reduction-order rounding.
+ON_CUDA = Tolerance(atol=1e-5, rtol=1e-4)
+
+
+def bf16_on_cuda(ctx: RankContext) -> None:
+    """bf16 compute with fp32 reduction on CUDA: master weights fp32 on the GPU, sane results."""
+    mixed_precision(ctx)
+    engine = with_options(ctx, param_dtype="bfloat16", reduce_dtype="float32").engine()
+    devices = {p.to_local().device.type for p in engine.model.parameters()}
+    assert devices == {"cuda"}, f"shards on {devices}"
+
+
+def cpu_offload_on_cuda(ctx: RankContext) -> None:
+    """``cpu_offload`` on CUDA keeps shards and AdamW state on the CPU, computes on the GPU, and trains
+    like the resident layout; exports come out whole on the GPU."""
+    runs = []
+    for options in ({}, {"cpu_offload": True}):
+        engine = with_options(ctx, **options).engine()
+        metrics = [train_step(engine, ctx.local_batch(name)) for name in ("A", "B")]
+        runs.append((engine, metrics, exported(engine)))
+    (_, base_metrics, base_params), (offloaded, metrics, params) = runs
+    shard_devices = {p.to_local().device.type for p in offloaded.model.parameters()}
+    state_devices = {s["exp_avg"].to_local().device.type for s in offloaded.optimizer.state.values()}
+    assert shard_devices == state_devices == {"cpu"}, f"shards on {shard_devices}, AdamW on {state_devices}"
+    _, first = next(offloaded.get_per_tensor_param())
+    assert first.device.type == "cuda", f"export on {first.device}"
+    comparisons = [
+        compare_scalars("cpu_offload", f"step {i} {key}", got[key], want[key], ON_CUDA, ctx.rank, "resident")
+        for i, (got, want) in enumerate(zip(metrics, base_metrics, strict=True), start=1)
+        for key in ("loss", "grad_norm")
+    ]
+    require(
+        comparisons
+        + compare_state_dicts("cpu_offload", "weights", params, dict(base_params), ON_CUDA, ctx.rank)
+    )
+
+
+def param_offload_on_cuda(ctx: RankContext) -> None:
+    """``param_offload`` + ``optimizer_offload``: shards on the CPU outside ``train_mode()``, on the GPU
+    inside; the export gathers offloaded shards (on the GPU, as NCCL needs) and matches."""
+    resident = ctx.engine()
+    offloaded = ctx.engine(param_offload=True, optimizer_offload=True)
+    assert {p.to_local().device.type for p in offloaded.model.parameters()} == {"cpu"}
+    for name in ("A", "B"):
+        with offloaded.train_mode():
+            assert {p.to_local().device.type for p in offloaded.model.parameters()} == {"cuda"}
+            offloaded.train_batch(ctx.local_batch(name), policy_loss_fn)
+        train_step(resident, ctx.local_batch(name))
+    assert {s["exp_avg"].to_local().device.type for s in offloaded.optimizer.state.values()} == {"cpu"}
+    require(
+        compare_state_dicts(
+            "param_offload", "weights", exported(offloaded), dict(exported(resident)), ON_CUDA, ctx.rank
+        )
+    )
+
+
+JOBS: dict[str, list[Property]] = {
+    "two_ranks": [
+        layout,
+        shards_registered_after_inference,
+        gradients_reduced_once_per_step,
+        mixed_precision,
+        cpu_offload,
+        custom_units,
+        recovers_from_a_failed_step,
+        export_gathers_one_tensor_at_a_time,
+        checkpoint_at_two_ranks,
+        hf_export,
+    ],
+    "one_rank": [resumes_checkpoint_of_two_ranks, refuses_moving_parameters_without_gradients],
+    "cuda": [bf16_on_cuda, cpu_offload_on_cuda, param_offload_on_cuda],
+}
+
+
+def outcome(prop: Property, ctx: RankContext) -> str | None:
+    try:
+        prop(ctx)
+    except Exception:
+        return traceback.format_exc()
+    return None
+
+
+def main(job: str, rank: int, world_size: int, workdir: Path) -> None:
+    torch.set_num_threads(1)  # ranks share few cores
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    device = "cuda" if job == "cuda" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        # cpu_offload on CUDA reduces CPU tensors too (gradient norms): gloo beside NCCL.
+        "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo",
+        store=dist.FileStore(str(workdir / f"store_{job}"), world_size),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        registry = Registry.from_plugins(autoload=True)  # the installed entry point, as users get it
+        dirs = ModelDirs.under(workdir / "model")
+        ctx = RankContext("fsdp", ("lm", "value"), None, registry, rank, world_size, device, dirs, workdir)
+        results = {prop.__name__: outcome(prop, ctx) for prop in JOBS[job]}
+    finally:
+        dist.destroy_process_group()
+    (workdir / f"{job}_rank{rank}.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))

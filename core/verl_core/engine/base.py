@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import torch
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_core.config.engine import EngineConfig
+from verl_core.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -57,9 +58,32 @@ class ForwardBackwardResult:
 class BaseEngine(abc.ABC):
     """Base class of every engine backend. Construct through ``verl_core.engine.build_engine``."""
 
+    #: The backend's own options class (its ``EngineBackend.config``): ``config.options`` must be an
+    #: instance of it, or ``None`` for its defaults. ``self.options`` holds the resolved instance.
+    options_class: ClassVar[type | None] = None
+
     def __init__(self, config: EngineConfig, role: str = "lm"):
         self.config = config
         self.role = role
+        self.options = self._resolve_options(config.options)
+
+    def _resolve_options(self, options: Any) -> Any:
+        cls = self.options_class
+        if cls is None:
+            return options
+        if options is None:
+            return cls()
+        if not isinstance(options, cls):
+            raise ConfigError(
+                [
+                    (
+                        "engine.options",
+                        f"expected a {cls.__module__}.{cls.__qualname__} (or None for the defaults), "
+                        f"got {type(options).__qualname__}",
+                    )
+                ]
+            )
+        return options
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -94,17 +118,21 @@ class BaseEngine(abc.ABC):
             self.set_model_mode(False)
             yield self
 
+    def offload_per_config(self, device: str = "cpu", optimizer: bool = True) -> None:
+        """Move what ``param_offload`` / ``optimizer_offload`` select to ``device``: ``"cpu"`` at the
+        end of ``initialize()`` and after each mode context, the compute device on entering one."""
+        model = self.config.param_offload
+        optimizer = optimizer and self.config.optimizer_offload
+        if model or optimizer:
+            self.to(device, model=model, optimizer=optimizer, grad=model)
+
     @contextlib.contextmanager
     def _loaded(self, optimizer: bool) -> Iterator[None]:
-        load_model = self.config.param_offload
-        load_optim = optimizer and self.config.optimizer_offload
-        if load_model or load_optim:
-            self.to(str(self.device), model=load_model, optimizer=load_optim, grad=load_model)
+        self.offload_per_config(str(self.device), optimizer=optimizer)
         try:
             yield
         finally:
-            if load_model or load_optim:
-                self.to("cpu", model=load_model, optimizer=load_optim, grad=load_model)
+            self.offload_per_config("cpu", optimizer=optimizer)
 
     # -- compute ---------------------------------------------------------------------------------
 

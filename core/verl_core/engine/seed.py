@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -35,3 +36,22 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+
+
+#: One file per rank in a checkpoint directory: each rank's generators differ (dropout, sampling).
+RNG_FILE = "rng_rank{rank}.pt"
+
+
+def save_rng_state(directory: Path, rank: int) -> None:
+    """Write this rank's generator states into a checkpoint's (staging) directory."""
+    torch.save(rng_state(), directory / RNG_FILE.format(rank=rank))
+
+
+def load_rng_state(directory: Path, rank: int) -> bool:
+    """Restore this rank's generator states from ``directory``; ``False`` when it has none (resuming
+    on more ranks than were saved: the extra ranks keep their own)."""
+    rng_file = directory / RNG_FILE.format(rank=rank)
+    if not rng_file.is_file():
+        return False
+    set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+    return True

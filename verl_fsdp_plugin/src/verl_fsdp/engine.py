@@ -42,7 +42,7 @@ from verl_core.engine.optim import (
     move_optimizer_state,
     validate_optim_config,
 )
-from verl_core.engine.seed import rng_state, set_rng_state
+from verl_core.engine.seed import load_rng_state, save_rng_state
 from verl_core.errors import ConfigError
 from verl_fsdp.config import FSDPConfig
 from verl_fsdp.sharding import (
@@ -60,33 +60,22 @@ BACKEND = "fsdp"
 MODEL_DIR = "model"
 OPTIMIZER_DIR = "optimizer"  # absent when saved before the first optimiser step
 LR_SCHEDULER_FILE = "lr_scheduler.pt"
-RNG_FILE = "rng_rank{rank}.pt"
 
 
 class FSDPEngine(BaseEngine):
     """Fully sharded data parallelism over the DP group (gloo on CPU, NCCL on GPU)."""
 
+    options_class = FSDPConfig
+
     def __init__(self, config: EngineConfig, role: str = "lm"):
         super().__init__(config, role)
-        options = FSDPConfig() if config.options is None else config.options
-        if not isinstance(options, FSDPConfig):
-            raise ConfigError(
-                [
-                    (
-                        "engine.options",
-                        "expected a verl_fsdp.config.FSDPConfig (or None for the defaults), "
-                        f"got {type(options).__qualname__}",
-                    )
-                ]
-            )
-        self.options = options
         self._device = resolve_device(config.device)
         #: The Hugging Face model; ``fully_shard`` turns it (and its units) into FSDP modules in place.
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         # Under ``cpu_offload`` FSDP keeps the optimiser state on the CPU for good.
-        self._optimizer_device = torch.device("cpu") if options.cpu_offload else self._device
+        self._optimizer_device = torch.device("cpu") if self.options.cpu_offload else self._device
 
     @property
     def sharded(self) -> bool:
@@ -112,13 +101,7 @@ class FSDPEngine(BaseEngine):
         self.model = model
         self.optimizer = build_optimizer(model.parameters(), self.config.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.config.optim)
-        if self.config.param_offload or self.config.optimizer_offload:
-            self.to(
-                "cpu",
-                model=self.config.param_offload,
-                optimizer=self.config.optimizer_offload,
-                grad=self.config.param_offload,
-            )
+        self.offload_per_config("cpu")
 
     def set_model_mode(self, train: bool) -> None:
         self._initialized().train(train)
@@ -243,7 +226,7 @@ class FSDPEngine(BaseEngine):
                 )
             if self.dp_rank == 0:  # identical on every rank
                 torch.save(self.lr_scheduler.state_dict(), staging / LR_SCHEDULER_FILE)
-            torch.save(rng_state(), staging / RNG_FILE.format(rank=self.dp_rank))
+            save_rng_state(staging, self.dp_rank)
 
     def load_checkpoint(self, path: str) -> int:
         """Restore a checkpoint saved at any world size: DCP reshards to this engine's layout."""
@@ -264,9 +247,7 @@ class FSDPEngine(BaseEngine):
         self.lr_scheduler.load_state_dict(
             torch.load(directory / LR_SCHEDULER_FILE, map_location="cpu", weights_only=True)
         )
-        rng_file = directory / RNG_FILE.format(rank=self.dp_rank)
-        if rng_file.is_file():  # absent when resuming on more ranks than were saved
-            set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+        load_rng_state(directory, self.dp_rank)
         return info.global_step
 
     def save_hf_model(self, path: str) -> None:

@@ -19,7 +19,7 @@ from tensordict import TensorDict
 from torch.nn.parallel import DistributedDataParallel
 from verl_core.config.engine import EngineConfig
 from verl_core.engine.base import BaseEngine, ForwardBackwardResult, LossFn
-from verl_core.engine.checkpoint import CheckpointError, atomic_checkpoint, open_checkpoint
+from verl_core.engine.checkpoint import atomic_checkpoint, open_checkpoint
 from verl_core.engine.device import move_module, resolve_device
 from verl_core.engine.distributed import barrier
 from verl_core.engine.hf import export_hf_model, forward_micro_batch, load_hf_model
@@ -31,7 +31,7 @@ from verl_core.engine.optim import (
     move_optimizer_state,
     validate_optim_config,
 )
-from verl_core.errors import ConfigError
+from verl_core.engine.seed import load_rng_state, save_rng_state
 
 from verl_ddp.config import DDPConfig
 
@@ -39,27 +39,16 @@ BACKEND = "ddp"
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
 LR_SCHEDULER_FILE = "lr_scheduler.pt"
-RNG_FILE = "rng_rank{rank}.pt"
 
 
 class DDPEngine(BaseEngine):
     """Data parallelism with full replicas: ``DistributedDataParallel`` when ``torch.distributed`` is
     initialised with more than one rank (gloo on CPU, NCCL on GPU), the plain model otherwise."""
 
+    options_class = DDPConfig
+
     def __init__(self, config: EngineConfig, role: str = "lm"):
         super().__init__(config, role)
-        options = DDPConfig() if config.options is None else config.options
-        if not isinstance(options, DDPConfig):
-            raise ConfigError(
-                [
-                    (
-                        "engine.options",
-                        f"expected a verl_ddp.config.DDPConfig (or None for the defaults), "
-                        f"got {type(options).__qualname__}",
-                    )
-                ]
-            )
-        self.options = options
         self._device = resolve_device(config.device)
         self.module: torch.nn.Module | None = None  # the Hugging Face model itself
         self.model: torch.nn.Module | None = None  # what runs forward: DDP-wrapped at world size > 1
@@ -90,13 +79,7 @@ class DDPEngine(BaseEngine):
             self.model = self.module
         self.optimizer = build_optimizer(self.module.parameters(), self.config.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.config.optim)
-        if self.config.param_offload or self.config.optimizer_offload:
-            self.to(
-                "cpu",
-                model=self.config.param_offload,
-                optimizer=self.config.optimizer_offload,
-                grad=self.config.param_offload,
-            )
+        self.offload_per_config("cpu")
 
     def set_model_mode(self, train: bool) -> None:
         self._initialized().train(train)
@@ -171,24 +154,16 @@ class DDPEngine(BaseEngine):
                 torch.save(module.state_dict(), staging / MODEL_FILE)
                 torch.save(self.optimizer.state_dict(), staging / OPTIMIZER_FILE)
                 torch.save(self.lr_scheduler.state_dict(), staging / LR_SCHEDULER_FILE)
-            torch.save(_rng_state(), staging / RNG_FILE.format(rank=self.dp_rank))
+            save_rng_state(staging, self.dp_rank)
 
     def load_checkpoint(self, path: str) -> int:
         module = self._initialized()
-        directory, info = open_checkpoint(path)
-        if info.backend != BACKEND:
-            raise CheckpointError(
-                f"{directory} was saved by engine backend '{info.backend}', but this is the '{BACKEND}' "
-                f"backend, which reads only its own (full-state) checkpoints: resume with "
-                f"engine.backend={info.backend}, or start from a Hugging Face export"
-            )
+        directory, info = open_checkpoint(path, backend=BACKEND)
         module.load_state_dict(_load(directory / MODEL_FILE))
         self.optimizer.load_state_dict(_load(directory / OPTIMIZER_FILE))
         move_optimizer_state(self.optimizer, self._optimizer_device)  # loading moves state to the params
         self.lr_scheduler.load_state_dict(_load(directory / LR_SCHEDULER_FILE))
-        rng_file = directory / RNG_FILE.format(rank=self.dp_rank)
-        if rng_file.is_file():  # absent when resuming on more ranks than were saved
-            _set_rng_state(_load(rng_file))
+        load_rng_state(directory, self.dp_rank)
         return info.global_step
 
     def save_hf_model(self, path: str) -> None:
@@ -214,16 +189,3 @@ def _buffer_sync(enabled: bool) -> dict[str, bool]:
 
 def _load(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

@@ -88,7 +88,7 @@ def install_check(session: nox.Session) -> None:
     """Install the built wheels into fresh environments and check what users get.
 
     1. ``verl-core[fsdp]`` and the ``verl-ddp`` example: our packages come from dist/ only
-       (``--no-index``), the ``ddp`` backend is discovered from its wheel's entry point,
+       (``--no-index``), the ``fsdp`` and ``ddp`` backends are discovered from their wheels' entry points,
        verl-fsdp-plugin is installed at the version core's extra pins, and ``verl_core`` is
        imported from site-packages, not from this checkout.
     2. ``verl-core`` alone: only core's own plugin is listed, and asking for the ``megatron`` backend
@@ -97,9 +97,12 @@ def install_check(session: nox.Session) -> None:
     venv = _fresh_venv(session, "fsdp")
     _install_from_dist(session, venv, ["verl-core[fsdp]", "verl-ddp"])
     rows = _plugin_rows(session, venv)
-    ddp = [row for row in rows if row["backend"] == "ddp"]
-    if [(row["distribution"], row["status"]) for row in ddp] != [("verl-ddp", "ok")]:
-        session.error(f"expected one 'ddp' backend from distribution verl-ddp with status ok, got {ddp}")
+    for backend, distribution in [("ddp", "verl-ddp"), ("fsdp", "verl-fsdp-plugin")]:
+        found = [row for row in rows if row["backend"] == backend]
+        if [(row["distribution"], row["status"]) for row in found] != [(distribution, "ok")]:
+            session.error(
+                f"expected one '{backend}' backend from distribution {distribution} with status ok, got {found}"
+            )
     _check_fsdp_plugin_version(session, venv)
     _check_core_imported_from_site_packages(session, venv)
 

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_core.config.engine import OptimConfig
+from verl_core.config.engine import EngineConfig, ModelConfig, OptimConfig
 from verl_core.engine.optim import (
+    TorchOptimizerSteps,
     build_lr_scheduler,
     build_optimizer,
     clip_grad_norm_and_step,
@@ -131,3 +132,40 @@ def test_move_optimizer_state_keeps_step_counters() -> None:
     move_optimizer_state(optimizer, "meta")  # a device that differs from cpu, available everywhere
     assert state["exp_avg"].device.type == state["exp_avg_sq"].device.type == "meta"
     assert state["step"].device.type == "cpu" and torch.equal(state["step"], before["step"])
+
+
+class _OptimizerOnly(TorchOptimizerSteps):
+    def __init__(self, config: EngineConfig, parameters: list[torch.nn.Parameter] | None):
+        self.config = config
+        self.optimizer = build_optimizer(parameters, config.optim) if parameters else None
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim) if parameters else None
+
+
+def test_torch_optimizer_steps_clip_step_and_schedule_like_plain_torch():
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(4, 3))
+    reference = torch.nn.Parameter(weight.detach().clone())
+    optim = OptimConfig(lr=0.1, clip_grad=0.5, lr_warmup_steps=2, weight_decay=0.0)
+    engine = _OptimizerOnly(EngineConfig(backend="x", model=ModelConfig(path="m"), optim=optim), [weight])
+    reference_optimizer = torch.optim.AdamW([reference], lr=0.1, weight_decay=0.0)
+    for parameter in (weight, reference):
+        (parameter**2).sum().backward()
+
+    assert engine.get_lr() == pytest.approx(0.1 / 2)  # warmup step 1 of 2
+    grad_norm = engine.optimizer_step()
+    for group in reference_optimizer.param_groups:
+        group["lr"] = 0.1 / 2
+    expected_norm = torch.nn.utils.clip_grad_norm_([reference], 0.5)
+    reference_optimizer.step()
+
+    assert grad_norm == pytest.approx(float(expected_norm))
+    assert torch.equal(weight.detach(), reference.detach())
+    assert engine.lr_scheduler_step() == pytest.approx(0.1)
+    engine.optimizer_zero_grad()
+    assert weight.grad is None
+
+
+def test_torch_optimizer_steps_before_initialize_say_what_to_call():
+    engine = _OptimizerOnly(EngineConfig(backend="x", model=ModelConfig(path="m")), None)
+    with pytest.raises(RuntimeError, match="_OptimizerOnly is not initialised: call initialize"):
+        engine.optimizer_step()

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from verl_core.config.engine import OptimConfig
+from verl_core.config.engine import EngineConfig, OptimConfig
 from verl_core.errors import ConfigError
 
 
@@ -114,3 +114,37 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and key != "step":
                 state[key] = value.to(device)
+
+
+class TorchOptimizerSteps:
+    """The optimiser half of ``BaseEngine`` for engines that hold a ``torch.optim`` optimiser in
+    ``self.optimizer`` and its LR scheduler in ``self.lr_scheduler`` (both built in ``initialize()``).
+
+    Mix it in before ``BaseEngine``: ``class MyEngine(TorchOptimizerSteps, BaseEngine)``. Clipping
+    runs over the optimiser's parameters, so sharded (DTensor) gradients work as replicated ones do.
+    """
+
+    optimizer: torch.optim.Optimizer | None
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    config: EngineConfig
+
+    def optimizer_zero_grad(self) -> None:
+        self._optimizer().zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> float:
+        optimizer = self._optimizer()
+        parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        return clip_grad_norm_and_step(optimizer, parameters, self.config.optim.clip_grad)
+
+    def lr_scheduler_step(self) -> float:
+        self._optimizer()
+        self.lr_scheduler.step()
+        return self.get_lr()
+
+    def get_lr(self) -> float:
+        return float(self._optimizer().param_groups[0]["lr"])
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RuntimeError(f"{type(self).__name__} is not initialised: call initialize() first")
+        return self.optimizer

@@ -36,9 +36,9 @@ from verl_core.engine.distributed import barrier
 from verl_core.engine.hf import export_hf_model, forward_micro_batch, load_hf_model
 from verl_core.engine.loop import run_micro_batches
 from verl_core.engine.optim import (
+    TorchOptimizerSteps,
     build_lr_scheduler,
     build_optimizer,
-    clip_grad_norm_and_step,
     move_optimizer_state,
     validate_optim_config,
 )
@@ -62,7 +62,7 @@ OPTIMIZER_DIR = "optimizer"  # absent when saved before the first optimiser step
 LR_SCHEDULER_FILE = "lr_scheduler.pt"
 
 
-class FSDPEngine(BaseEngine):
+class FSDPEngine(TorchOptimizerSteps, BaseEngine):
     """Fully sharded data parallelism over the DP group (gloo on CPU, NCCL on GPU)."""
 
     options_class = FSDPConfig
@@ -178,25 +178,6 @@ class FSDPEngine(BaseEngine):
         if self.sharded:
             for unit in fsdp_units(self.model):
                 unit.reshard()
-
-    def optimizer_zero_grad(self) -> None:
-        self._initialized()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def optimizer_step(self) -> float:
-        # Gradients are DTensor shards: the norm is reduced over the DP group inside core's helper.
-        return clip_grad_norm_and_step(
-            self.optimizer, self._initialized().parameters(), self.config.optim.clip_grad
-        )
-
-    def lr_scheduler_step(self) -> float:
-        self._initialized()
-        self.lr_scheduler.step()
-        return self.get_lr()
-
-    def get_lr(self) -> float:
-        self._initialized()
-        return float(self.optimizer.param_groups[0]["lr"])
 
     # -- weights and checkpoints -----------------------------------------------------------------
 

@@ -25,9 +25,9 @@ from verl_core.engine.distributed import barrier
 from verl_core.engine.hf import export_hf_model, forward_micro_batch, load_hf_model
 from verl_core.engine.loop import run_micro_batches
 from verl_core.engine.optim import (
+    TorchOptimizerSteps,
     build_lr_scheduler,
     build_optimizer,
-    clip_grad_norm_and_step,
     move_optimizer_state,
     validate_optim_config,
 )
@@ -41,7 +41,7 @@ OPTIMIZER_FILE = "optimizer.pt"
 LR_SCHEDULER_FILE = "lr_scheduler.pt"
 
 
-class DDPEngine(BaseEngine):
+class DDPEngine(TorchOptimizerSteps, BaseEngine):
     """Data parallelism with full replicas: ``DistributedDataParallel`` when ``torch.distributed`` is
     initialised with more than one rank (gloo on CPU, NCCL on GPU), the plain model otherwise."""
 
@@ -118,25 +118,6 @@ class DDPEngine(BaseEngine):
         if isinstance(self.model, DistributedDataParallel):
             return self.model.no_sync()
         return contextlib.nullcontext()
-
-    def optimizer_zero_grad(self) -> None:
-        self._initialized()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def optimizer_step(self) -> float:
-        # DDP already averaged the gradients over ranks, so every rank sees the same global norm.
-        return clip_grad_norm_and_step(
-            self.optimizer, self._initialized().parameters(), self.config.optim.clip_grad
-        )
-
-    def lr_scheduler_step(self) -> float:
-        self._initialized()
-        self.lr_scheduler.step()
-        return self.get_lr()
-
-    def get_lr(self) -> float:
-        self._initialized()
-        return float(self.optimizer.param_groups[0]["lr"])
 
     # -- weights and checkpoints -----------------------------------------------------------------
 

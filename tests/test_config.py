@@ -10,7 +10,9 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import typing
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -473,6 +475,28 @@ def test_validators_also_guard_configs_built_in_python():
     optim = OptimConfig()
     with pytest.raises(InvalidValue, match=r"betas\[0\]: must be in \[0, 1\), got 1.5"):
         optim.betas = (1.5, 0.9)
+
+
+def test_validators_stay_on_in_other_threads_while_a_config_is_structured():
+    entered, release = threading.Event(), threading.Event()
+
+    def wait_for_release(instance, attribute, value):  # holds the structuring thread inside structure()
+        entered.set()
+        release.wait(timeout=10)
+
+    @attrs.define
+    class SlowOptions:
+        value: int = attrs.field(default=0, validator=wait_for_release)
+
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        structured = pool.submit(structure, {"value": 1}, SlowOptions)
+        try:
+            assert entered.wait(timeout=10)
+            with pytest.raises(InvalidValue, match="lr: must be >= 0, got -1"):
+                OptimConfig(lr=-1)
+        finally:
+            release.set()
+        assert structured.result(timeout=10) == SlowOptions(value=1)
 
 
 def test_loss_aggregation_modes_match_the_algorithms():

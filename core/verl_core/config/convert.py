@@ -9,7 +9,6 @@ backend's own options class by the ``backend`` name of an engine section. Every 
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import difflib
 import types
@@ -25,7 +24,7 @@ from cattrs.errors import (
     ForbiddenExtraKeysError,
     IterableValidationNote,
 )
-from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn
+from cattrs.gen import make_dict_structure_fn_from_attrs, make_dict_unstructure_fn
 
 from verl_core.config.engine import EngineConfig
 from verl_core.config.validators import InvalidValue
@@ -54,14 +53,7 @@ def structure(data: Any, cls: type[T], path: str = "", *, registry: Registry | N
     """
     token = _registry.set(registry)
     try:
-        # Validators run one by one after each class is built (so that all failures are reported),
-        # not in ``__init__``, which would stop at the first. The switch is process-wide: attrs
-        # classes built by other threads meanwhile skip their validators.
-        validation_off = (
-            contextlib.nullcontext() if attrs.validators.get_disabled() else attrs.validators.disabled()
-        )
-        with validation_off:
-            return _converter.structure(data, cls)
+        return _converter.structure(data, cls)
     except Exception as exc:
         raise ConfigError(_errors_of(exc, path)) from None
     finally:
@@ -272,16 +264,43 @@ def _section_mapping(value: Any, cls: type) -> Mapping[str, Any]:
     return value
 
 
+def _unvalidated_copy(cls: type) -> type:
+    """A class with the fields of ``cls`` (defaults, converters, aliases) but no validators or methods."""
+    fields = {
+        field.name: attrs.field(
+            default=field.default,
+            converter=field.converter,
+            init=field.init,
+            alias=field.alias,
+            kw_only=field.kw_only,
+        )
+        for field in attrs.fields(cls)
+    }
+    return attrs.make_class(cls.__name__, fields, slots=False)
+
+
 def _make_section_hook(cls: type[T]) -> Any:
-    """Structure ``cls`` from a mapping with cattrs, then validate its fields and run ``check()``."""
-    structure_fields = make_dict_structure_fn(cls, _converter)
+    """Structure ``cls`` from a mapping with cattrs, validate its fields and run ``check()``, then build it.
+
+    The validators run one by one before ``cls`` is built, so that all failures are reported; its
+    ``__init__`` would stop at the first. cattrs builds a copy without validators and they check a
+    stand-in holding the copy's values. (``attrs.validators.disabled()`` would also do, but it switches
+    validators off in every thread.)
+    """
+    attrs.resolve_types(cls)  # cattrs takes the field types from ``cls``; the copy has none
+    structure_fields = make_dict_structure_fn_from_attrs(
+        list(attrs.fields(cls)), _unvalidated_copy(cls), _converter
+    )
 
     def structure_section(value: Any, _: type = cls) -> T:
-        instance = structure_fields(_section_mapping(value, cls))
+        values = structure_fields(_section_mapping(value, cls))
+        instance = object.__new__(cls)  # its ``__init__`` would run the validators
+        for name, field_value in vars(values).items():
+            object.__setattr__(instance, name, field_value)
         errors = list(_field_errors(instance))
         if errors:
             raise ConfigError(errors)
-        return instance
+        return attrs.evolve(instance)  # built by ``__init__`` after all, now that its validators pass
 
     return structure_section
 

@@ -175,6 +175,7 @@ def test_first_party_distribution_without_an_entry_point_asks_for_an_upgrade(dis
         Registry.from_plugins(autoload=True).get("engine_backends", "megatron")
     assert (
         "verl-megatron-plugin 9.9 is installed but provides no 'megatron' engine backend: this release declares "
-        "no 'verl_core.plugins' entry point. Upgrade to a release that does: "
+        "no 'verl_core.plugins' entry point, so it provides no plugins at all. Install a release of "
+        "verl-megatron-plugin that provides 'megatron' (its release notes say which) with "
         'pip install -U "verl-core[megatron]"' in str(caught.value)
     )

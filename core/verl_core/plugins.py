@@ -534,8 +534,9 @@ class Registry:
             return f"{hint}: its plugin is not loaded (see the note below)."
         if not loaded:
             return (
-                f"{hint}: this release declares no '{hookspecs.ENTRY_POINT_GROUP}' entry point. "
-                f'Upgrade to a release that does: pip install -U "verl-core[{extra}]"'
+                f"{hint}: this release declares no '{hookspecs.ENTRY_POINT_GROUP}' entry point, so it "
+                f"provides no plugins at all. Install a release of {distribution} that provides '{name}' "
+                f'(its release notes say which) with pip install -U "verl-core[{extra}]"'
             )
         return f'{hint}; reinstall a matching release: pip install --force-reinstall "verl-core[{extra}]"'
 

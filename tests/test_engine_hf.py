@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from verl_core.config.engine import ModelConfig
 from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE
+from verl_core.engine.checkpoint import CheckpointError
 from verl_core.engine.hf import ENTROPY, LOG_PROBS, export_hf_model, forward_micro_batch, load_hf_model
 from verl_core.testing.tiny import collate, make_samples, save_tiny_models
 
@@ -133,3 +134,33 @@ def test_export_round_trips_through_from_pretrained(dirs, tmp_path) -> None:
         assert torch.equal(reloaded.state_dict()[name], tensor), name
     assert any(path.suffix == ".safetensors" for path in (tmp_path / "export").iterdir())
     assert json.loads((tmp_path / "export" / "tokenizer_config.json").read_text()) == {"model_max_length": 64}
+
+
+def test_export_interrupted_mid_write_leaves_the_previous_export(dirs, tmp_path, monkeypatch) -> None:
+    model = load_hf_model(ModelConfig(path=dirs.lm), role="lm")
+    export_hf_model(model, tmp_path / "export")
+    previous = {path.name: path.read_bytes() for path in (tmp_path / "export").iterdir()}
+
+    def crash_after_the_config(self, directory, **kwargs):
+        self.config.save_pretrained(directory)  # a partial directory: config.json but no weights
+        raise OSError("disk full")
+
+    monkeypatch.setattr(type(model), "save_pretrained", crash_after_the_config)
+    with pytest.raises(OSError, match="disk full"):
+        export_hf_model(model, tmp_path / "export")
+    assert {path.name: path.read_bytes() for path in (tmp_path / "export").iterdir()} == previous
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["export"]  # no staging left behind
+    with pytest.raises(OSError, match="disk full"):
+        export_hf_model(model, tmp_path / "fresh")
+    assert not (tmp_path / "fresh").exists()  # never half-written
+
+
+def test_export_refuses_to_replace_a_directory_that_is_not_a_model(dirs, tmp_path) -> None:
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    model = load_hf_model(ModelConfig(path=dirs.lm), role="lm")
+    with pytest.raises(
+        CheckpointError, match=r"notes exists and holds no config.json.*write to another path"
+    ):
+        export_hf_model(model, tmp_path / "notes")
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"

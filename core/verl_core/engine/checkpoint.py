@@ -72,6 +72,30 @@ def atomic_checkpoint(
     barrier(group)  # ``path`` is in place before any rank returns
 
 
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike, *, replaceable: str) -> Iterator[Path]:
+    """One writer's atomic output directory (a Hugging Face export, say): yield a staging directory,
+    then rename it into place. ``path`` appears complete or not at all, and a previous ``path`` is
+    replaced only once the new one is written, and only if it holds the file ``replaceable`` (so
+    that an unrelated directory is never swept away). If the block raises, nothing is published.
+    """
+    final = Path(path)
+    staging, replaced = _siblings(final)
+    if final.exists() and any(final.iterdir()) and not (final / replaceable).is_file():
+        raise CheckpointError(
+            f"{final} exists and holds no {replaceable}, so it is not an earlier output of this kind: "
+            "refusing to replace it; write to another path or remove it"
+        )
+    shutil.rmtree(staging, ignore_errors=True)  # left over by an earlier crashed write
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _publish(staging, final, replaced)
+
+
 def open_checkpoint(path: str | os.PathLike, backend: str | None = None) -> tuple[Path, CheckpointInfo]:
     """The directory to load ``path`` from, and its marker; refuses anything incomplete and, when
     ``backend`` is given, checkpoints written by another engine backend.

@@ -23,8 +23,12 @@ from verl_core.config.engine import ModelConfig
 from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES, VALUES
 from verl_core.descriptors import MODEL_ROLES
 from verl_core.engine.base import COMPUTE_ENTROPY, TEMPERATURE
+from verl_core.engine.checkpoint import atomic_directory
 from verl_core.engine.logprob import log_probs_and_entropy
 from verl_core.engine.seed import seeded
+
+#: Every Hugging Face model directory has it: what makes an earlier export replaceable.
+HF_CONFIG_FILE = "config.json"
 
 LOG_PROBS = "log_probs"
 ENTROPY = "entropy"
@@ -117,14 +121,18 @@ def export_hf_model(
     tokenizer_source: str | Path | None = None,
 ) -> None:
     """Write ``model`` (or ``state_dict``, e.g. gathered from shards) as a Hugging Face safetensors
-    directory, with the tokenizer files of ``tokenizer_source`` when it has any. Call on one rank."""
-    path = Path(path)
-    model.save_pretrained(path, state_dict=state_dict)
-    if tokenizer_source is not None:
-        for name in TOKENIZER_FILES:
-            source = Path(tokenizer_source) / name
-            if source.is_file():
-                shutil.copy2(source, path / name)
+    directory, with the tokenizer files of ``tokenizer_source`` when it has any. Call on one rank.
+
+    The directory appears complete or not at all (a crash mid-write leaves no half-written model for
+    a later run to load); an earlier export at ``path`` is replaced.
+    """
+    with atomic_directory(path, replaceable=HF_CONFIG_FILE) as staging:
+        model.save_pretrained(staging, state_dict=state_dict)
+        if tokenizer_source is not None:
+            for name in TOKENIZER_FILES:
+                source = Path(tokenizer_source) / name
+                if source.is_file():
+                    shutil.copy2(source, staging / name)
 
 
 def _non_tensor(batch: TensorDict, key: str, default: object) -> object:

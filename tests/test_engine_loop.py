@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -176,12 +178,19 @@ def test_backward_without_a_loss_function_is_refused() -> None:
 RANK_LENGTHS = ([6, 6, 5, 4], [1, 2, 1, 1])
 
 
-def _two_rank_worker(rank: int, init_file: str) -> None:
+#: A rank still running after this many seconds dumps every thread's stack to its log and exits, so a
+#: hang fails the test with the place it hung (the parent's hard limit is a last resort).
+HANG_DUMP_S = 120
+
+
+def _two_rank_worker(rank: int, workdir: str) -> None:
     torch.set_num_threads(1)
-    # A file rendezvous: no port to collide with other jobs on the machine.
+    log = open(Path(workdir) / f"rank{rank}.log", "w")  # stays open until the process exits
+    faulthandler.dump_traceback_later(HANG_DUMP_S, exit=True, file=log)
+    # A file store: no port to collide with other jobs on the machine.
     dist.init_process_group(
         "gloo",
-        init_method=f"file://{init_file}",
+        store=dist.FileStore(str(Path(workdir) / "store"), 2),
         rank=rank,
         world_size=2,
         timeout=datetime.timedelta(seconds=60),
@@ -219,18 +228,24 @@ def _two_rank_worker(rank: int, init_file: str) -> None:
                 dp_group=dist.group.WORLD,
                 no_sync=no_sync,
             )
+        dist.barrier()  # both ranks are done with collectives before either tears the group down
     finally:
         dist.destroy_process_group()
+        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.mark.distributed
 def test_two_ranks_with_unequal_tokens_match_the_single_process_reference(tmp_path) -> None:
     context = mp.start_processes(
-        _two_rank_worker, args=(str(tmp_path / "rendezvous"),), nprocs=2, join=False, start_method="spawn"
+        _two_rank_worker, args=(str(tmp_path),), nprocs=2, join=False, start_method="spawn"
     )
-    deadline = time.monotonic() + 180  # a hard limit: a hung collective must fail the test, not stall CI
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the two ranks did not finish within 180 s")
+    deadline = time.monotonic() + HANG_DUMP_S + 60  # a hard limit: a hang must fail the test, not stall CI
+    try:
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"the two ranks did not finish within {HANG_DUMP_S + 60} s")
+    except mp.ProcessExitedException as error:  # a rank's hang dump (or a crash): show where
+        logs = "\n".join(f"-- rank {rank}:\n{(tmp_path / f'rank{rank}.log').read_text()}" for rank in (0, 1))
+        pytest.fail(f"{error}\n{logs}")

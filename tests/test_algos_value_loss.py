@@ -113,7 +113,7 @@ def test_micro_batches_and_dp_shards_sum_to_the_full_batch():
 
 def test_unknown_aggregation_mode_names_the_critic_key():
     with pytest.raises(
-        ValueError, match=r"critic\.loss_agg_mode='mean' is not a loss aggregation mode.*token-mean"
+        ValueError, match=r"critic\.loss\.loss_agg_mode='mean' is not a loss aggregation mode.*token-mean"
     ):
         compute_value_loss(
             vpreds=tensor(VPREDS),

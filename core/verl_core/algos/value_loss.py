@@ -1,12 +1,12 @@
 """The critic's clipped value loss (PPO, Schulman et al. 2017; value clipping as in OpenAI's baselines).
 
 With ``V`` the critic's new predictions, ``V_old`` the values from before the update (the batch's
-``values``), ``R`` the returns and ``c`` = ``critic.cliprange_value``::
+``values``), ``R`` the returns and ``c`` = ``critic.loss.cliprange_value``::
 
     V_clip = clamp(V, V_old - c, V_old + c)
     l_t    = 0.5 * max((V - R)^2, (V_clip - R)^2)
 
-and the loss is ``l`` aggregated over ``response_mask`` with ``critic.loss_agg_mode`` (see
+and the loss is ``l`` aggregated over ``response_mask`` with ``critic.loss.loss_agg_mode`` (see
 ``verl_core.algos.aggregation``), so that it is normalised by the step's global counts.
 """
 
@@ -59,7 +59,7 @@ def compute_value_loss(
     ``agg_loss``). Metrics as in ``clipped_value_loss_matrix``, plus ``critic/vf_loss`` (the returned
     loss).
     """
-    check_loss_agg_mode(config.loss_agg_mode, key="critic.loss_agg_mode")
+    check_loss_agg_mode(config.loss_agg_mode, key="critic.loss.loss_agg_mode")
     loss_mat, metrics = clipped_value_loss_matrix(
         vpreds=vpreds,
         values=values,

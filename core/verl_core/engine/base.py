@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_core.config.engine import EngineConfig
+from verl_core.engine.device import resolve_device
 from verl_core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ class BaseEngine(abc.ABC):
         self.config = config
         self.role = role
         self.options = self._resolve_options(config.options)
+        self._device = resolve_device(config.device)
 
     def _resolve_options(self, options: Any) -> Any:
         cls = self.options_class
@@ -100,9 +102,9 @@ class BaseEngine(abc.ABC):
         """Move parameters, optimiser state and/or gradients to ``device`` (``"cpu"`` offloads)."""
 
     @property
-    @abc.abstractmethod
     def device(self) -> torch.device:
-        """The device this rank computes on."""
+        """The device this rank computes on (``config.device``; ``auto`` picks CUDA when available)."""
+        return self._device
 
     @contextlib.contextmanager
     def train_mode(self) -> Iterator[BaseEngine]:

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from verl_core.config.engine import EngineConfig
 from verl_core.engine.base import BaseEngine, ForwardBackwardResult, LossFn
 from verl_core.engine.checkpoint import atomic_checkpoint, open_checkpoint
-from verl_core.engine.device import move_module, resolve_device
+from verl_core.engine.device import move_module
 from verl_core.engine.distributed import barrier
 from verl_core.engine.hf import export_hf_model, forward_micro_batch, load_hf_model
 from verl_core.engine.loop import run_micro_batches
@@ -49,7 +49,6 @@ class DDPEngine(TorchOptimizerSteps, BaseEngine):
 
     def __init__(self, config: EngineConfig, role: str = "lm"):
         super().__init__(config, role)
-        self._device = resolve_device(config.device)
         self.module: torch.nn.Module | None = None  # the Hugging Face model itself
         self.model: torch.nn.Module | None = None  # what runs forward: DDP-wrapped at world size > 1
         self.optimizer: torch.optim.Optimizer | None = None
@@ -91,10 +90,6 @@ class DDPEngine(TorchOptimizerSteps, BaseEngine):
         if optimizer:
             move_optimizer_state(self.optimizer, target)
             self._optimizer_device = target
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     # -- compute ---------------------------------------------------------------------------------
 

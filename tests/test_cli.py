@@ -11,6 +11,7 @@ import pytest
 from fixtures.fake_dist import backends_plugin, fake_distributions
 
 import verl_core.config
+import verl_core.plugins.registry
 from verl_core import ENGINE_API_VERSION
 from verl_core.cli import BACKEND_COLUMNS, main
 from verl_core.errors import ConfigError
@@ -41,6 +42,7 @@ def installed(tmp_path, monkeypatch):
         monkeypatch.setenv(ENV_BLOCK, "blocked-dist")
         get_registry(refresh=True)
         yield dists
+    monkeypatch.delenv(ENV_BLOCK)
     get_registry(refresh=True)  # forget the fake plugins
 
 
@@ -248,3 +250,39 @@ def test_config_with_the_real_loader_reports_every_error(run_yaml, capsys):
     assert f"2 error(s) in the configuration in {run_yaml}:" in captured.err
     assert "  actor.engine.fakeeng.bucket_mbb: unknown key (did you mean bucket_mb?)" in captured.err
     assert "  rollout.n: " in captured.err
+
+
+CLASHING_PLUGIN = """
+    from verl_core import PolicyLoss, hookimpl
+
+    @hookimpl
+    def verl_policy_losses():
+        return [PolicyLoss(name="vanilla", function="fake_engines:Engine")]
+"""
+
+
+def test_a_plugin_clashing_with_a_builtin_does_not_look_fine_in_the_default_listing(tmp_path, capsys):
+    with fake_distributions(tmp_path) as dists:
+        dists.add("clash-dist", "0.4", {"clash": CLASHING_PLUGIN})
+        get_registry(refresh=True)
+        try:
+            (row,) = [row for row in run_json(capsys) if row["plugin"] == "clash"]
+            assert main(["plugins"]) == 0
+            table = capsys.readouterr().out
+        finally:
+            get_registry(refresh=True)
+    assert row["status"] == "conflict"
+    assert "policy_losses 'vanilla': policy loss 'vanilla' is provided by plugin 'verl_core'" in row["error"]
+    assert "Problems with what plugins provide besides engine backends" in table
+    assert "policy_losses 'vanilla' from plugin 'clash' (clash-dist 0.4): conflict:" in table
+
+
+def test_an_invalid_switch_fails_the_listing_with_exit_2(monkeypatch, capsys):
+    monkeypatch.setenv(ENV_TRACE, "sure")
+    monkeypatch.setattr(verl_core.plugins.registry, "_registry", None)  # as in a fresh process
+    try:
+        assert main(["plugins"]) == 2
+    finally:
+        monkeypatch.delenv(ENV_TRACE)
+        get_registry(refresh=True)
+    assert f"error: {ENV_TRACE}='sure' is not a boolean" in capsys.readouterr().err

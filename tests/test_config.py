@@ -69,8 +69,8 @@ class ToyPlugin:
     @hookimpl
     def verl_engine_backends() -> list[EngineBackend]:
         return [
-            EngineBackend(name="toy", engine="toy_engines:ToyEngine", config=ToyOptions),
-            EngineBackend(name="other", engine="toy_engines:OtherEngine", config=OtherOptions),
+            EngineBackend(name="toy", engine="fixtures.engines:Engine", config=ToyOptions),
+            EngineBackend(name="other", engine="fixtures.engines:Engine", config=OtherOptions),
         ]
 
 

@@ -67,8 +67,8 @@ class Backends:
     @hookimpl
     def verl_engine_backends() -> list[EngineBackend]:
         return [
-            EngineBackend(name="spin", engine="spin_engine:Engine", config=SpinOptions),
-            EngineBackend(name="plain", engine="plain_engine:Engine", config=PlainOptions),
+            EngineBackend(name="spin", engine="fixtures.engines:Engine", config=SpinOptions),
+            EngineBackend(name="plain", engine="fixtures.engines:Engine", config=PlainOptions),
         ]
 
 

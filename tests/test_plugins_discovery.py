@@ -7,7 +7,7 @@ import sys
 import pytest
 from fixtures.fake_dist import backends_plugin, fake_distributions
 
-from verl_core.errors import DuplicateNameError, PluginLoadError, UnknownNameError
+from verl_core.errors import DuplicateNameError, PluginLoadError, PluginWarning, SwitchError, UnknownNameError
 from verl_core.plugins import ENV_BLOCK, ENV_DISABLE_AUTOLOAD, ENV_PLUGINS, ENV_TRACE, PluginInfo, Registry
 
 RAISES_ON_IMPORT = "raise RuntimeError('boom: missing dependency')"
@@ -95,7 +95,7 @@ def test_two_distributions_claiming_one_name_conflict_until_one_is_blocked(dists
 def test_blocked_plugin_is_never_imported(dists, monkeypatch):
     dists.add("explosive-dist", "0.1", {"explosive": RAISES_ON_IMPORT})
     dists.add("other-dist", "0.1", {"other": RAISES_ON_IMPORT})
-    monkeypatch.setenv(ENV_BLOCK, "unrelated, explosive,other_plugin")  # entry-point or module names
+    monkeypatch.setenv(ENV_BLOCK, "explosive,other_plugin ")  # entry-point or module names
     registry = Registry.from_plugins(autoload=True)
     info = plugin_info(registry, "explosive")
     assert (info.status, info.error, info.distribution) == (
@@ -179,3 +179,88 @@ def test_first_party_distribution_without_an_entry_point_asks_for_an_upgrade(dis
         "verl-megatron-plugin that provides 'megatron' (its release notes say which) with "
         'pip install -U "verl-core[megatron]"' in str(caught.value)
     )
+
+
+# -- the environment switches: wrong values are named, never silently ignored ----------------------
+
+
+@pytest.mark.parametrize("variable", [ENV_DISABLE_AUTOLOAD, ENV_TRACE])
+def test_a_boolean_switch_with_another_value_is_an_error_naming_it(variable, monkeypatch):
+    monkeypatch.setenv(variable, "enabled")
+    with pytest.raises(SwitchError) as caught:
+        Registry.from_plugins(autoload=None)
+    message = str(caught.value)
+    assert f"{variable}='enabled' is not a boolean" in message
+    assert "1, true, yes, on" in message and "'0', 'false', 'no', 'off'" in message
+
+
+@pytest.mark.parametrize("value", ["0", "false", "OFF", "", " no "])
+def test_false_values_keep_autoload_on(value, dists, monkeypatch):
+    dists.add("dist-a", "0.1", {"plug_a": backends_plugin("a")})
+    monkeypatch.setenv(ENV_DISABLE_AUTOLOAD, value)
+    assert "a" in Registry.from_plugins(autoload=None).names("engine_backends")
+
+
+@pytest.mark.parametrize("core", ["verl_core", "verl-core"])
+def test_blocking_core_itself_is_an_error(core, monkeypatch):
+    monkeypatch.setenv(ENV_BLOCK, f"ddp,{core}")
+    with pytest.raises(SwitchError, match=f"{ENV_BLOCK} names '{core}': core's built-ins .* override=True"):
+        Registry.from_plugins()
+
+
+def test_a_block_entry_that_names_nothing_installed_warns_with_the_close_match(dists, monkeypatch):
+    dists.add("verl-fake-ddp", "0.3", {"fakeddp": backends_plugin("fakeddp")})
+    monkeypatch.setenv(ENV_BLOCK, "fakedp")
+    with pytest.warns(PluginWarning) as caught:
+        registry = Registry.from_plugins(autoload=True)
+    (warning,) = [str(w.message) for w in caught]
+    assert f"{ENV_BLOCK} names 'fakedp', which is no installed plugin, distribution or module" in warning
+    assert "(did you mean 'fakeddp'?)" in warning
+    assert plugin_info(registry, "fakeddp").status == "ok"  # nothing was blocked
+
+
+def test_block_entries_by_distribution_or_module_do_not_warn(dists, monkeypatch, recwarn):
+    dists.add("Verl_Fake-DDP", "0.3", {"fakeddp": backends_plugin("fakeddp")})
+    dists.add("other-dist", "0.1", {"other": backends_plugin("other")})
+    monkeypatch.setenv(ENV_BLOCK, "verl-fake-ddp,other_plugin")
+    registry = Registry.from_plugins(autoload=True)
+    assert {plugin_info(registry, n).status for n in ("fakeddp", "other")} == {"blocked"}
+    assert not [w for w in recwarn if issubclass(w.category, PluginWarning)]
+
+
+# -- import strings that name nothing: broken in the listing, attributed when loaded ---------------
+
+
+def test_a_backend_whose_engine_module_does_not_exist_is_broken_in_the_listing(dists):
+    dists.add(
+        "typo-dist",
+        "0.2",
+        {"typo": backends_plugin("typo").replace("fake_engines:Engine", "fake_engins:Engine")},
+    )
+    registry = Registry.from_plugins(autoload=True)
+    (entry,) = [e for e in registry.entries("engine_backends") if e.name == "typo"]
+    assert entry.status == "broken"
+    assert entry.error == (
+        "engine backend 'typo' from plugin 'typo' (typo-dist 0.2): its engine 'fake_engins:Engine' cannot be "
+        "imported (no module named 'fake_engins'). Fix the descriptor's engine= import string "
+        "('package.module:attribute') in the plugin, or reinstall it"
+    )
+    with pytest.raises(PluginLoadError, match="engine backend 'typo' from plugin 'typo'"):
+        registry.get("engine_backends", "typo")
+
+
+def test_a_wrong_attribute_is_named_with_the_plugin_when_loaded(dists):
+    dists.add(
+        "attr-dist",
+        "0.2",
+        {"attr": backends_plugin("attr").replace("fake_engines:Engine", "fake_engines:Engin")},
+    )
+    entry = Registry.from_plugins(autoload=True).entry("engine_backends", "attr")
+    assert entry.status == "ok"  # the module exists; attributes are checked when loaded
+    with pytest.raises(PluginLoadError) as caught:
+        entry.load("engine")
+    assert str(caught.value).startswith(
+        "engine backend 'attr' from plugin 'attr' (attr-dist 0.2): its engine 'fake_engines:Engin' cannot be "
+        "imported (AttributeError: module 'fake_engines' has no attribute 'Engin')"
+    )
+    assert isinstance(caught.value.__cause__, AttributeError)

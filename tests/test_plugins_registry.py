@@ -36,7 +36,9 @@ def _clean_environment(monkeypatch):
 
 
 def backend(name: str, **fields) -> EngineBackend:
-    return EngineBackend(name=name, engine="fake_engines:Engine", config="fake_engines:Config", **fields)
+    return EngineBackend(
+        name=name, engine="fixtures.engines:Engine", config="fixtures.engines:Config", **fields
+    )
 
 
 def make_plugin(plugin_name: str, **returns) -> type:
@@ -342,3 +344,24 @@ def test_get_registry_is_cached_until_refreshed():
     first = get_registry()
     assert get_registry() is first
     assert get_registry(refresh=True) is not first
+
+
+def test_two_override_claims_get_a_fix_that_can_work():
+    plugins = [make_plugin(f"p{i}", engine_backends=[backend("ddp", override=True)]) for i in range(2)]
+    with pytest.raises(DuplicateNameError) as caught:
+        Registry.from_plugins(plugins).get("engine_backends", "ddp")
+    message = str(caught.value)
+    assert (
+        "2 of them mark override=True (plugin 'p0' (no distribution), plugin 'p1' (no distribution))"
+        in message
+    )
+    assert "remove override=True from all but the EngineBackend that should win" in message
+    assert "set override=True on" not in message
+
+
+def test_kind_constants_are_the_registry_kinds():
+    from verl_core import hookspecs
+
+    constants = [hookspecs.ENGINE_BACKENDS, hookspecs.ADVANTAGE_ESTIMATORS, hookspecs.POLICY_LOSSES]
+    constants += [hookspecs.ROLLOUT_BACKENDS, hookspecs.REWARD_FUNCTIONS]
+    assert constants == Registry.from_plugins().kinds

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from verl_core import __version__
+from verl_core.errors import VerlCoreError
+from verl_core.hookspecs import ENGINE_BACKENDS
 from verl_core.plugins import Entry, PluginInfo, Registry, get_registry
 
 #: Keys of one ``verl-core plugins --json`` row, in table order (the table leaves out api_version).
@@ -87,31 +89,74 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _run_plugins(args: argparse.Namespace) -> int:
-    registry = get_registry()
-    tables = {"engine_backends": backend_rows(registry)}
+    try:
+        registry = get_registry()
+    except VerlCoreError as error:  # an invalid environment switch
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    tables = {ENGINE_BACKENDS: backend_rows(registry)}
     if args.all:
         tables.update(
-            {kind: entry_rows(registry, kind) for kind in registry.kinds if kind != "engine_backends"}
+            {kind: entry_rows(registry, kind) for kind in registry.kinds if kind != ENGINE_BACKENDS}
         )
     if args.json:
-        document = tables if args.all else tables["engine_backends"]
+        document = tables if args.all else tables[ENGINE_BACKENDS]
         print(json.dumps(document, indent=2))
         return 0
-    blocks = [format_table(tables.pop("engine_backends"), [c for c in BACKEND_COLUMNS if c != "api_version"])]
+    blocks = [format_table(tables.pop(ENGINE_BACKENDS), [c for c in BACKEND_COLUMNS if c != "api_version"])]
     blocks += [f"{kind}:\n" + format_table(rows, ENTRY_COLUMNS) for kind, rows in tables.items()]
+    problems = [] if args.all else problem_notes(registry)
+    if problems:
+        blocks.append(
+            "Problems with what plugins provide besides engine backends (--all lists it all):\n"
+            + "\n".join(problems)
+        )
     print("\n\n".join(blocks))
     return 0
 
 
+def _problems(registry: Registry, plugin: str) -> list[Entry]:
+    """The entries of ``plugin`` outside the engine backends that cannot be used as they stand."""
+    return [
+        entry
+        for kind in registry.kinds
+        if kind != ENGINE_BACKENDS
+        for entry in registry.entries(kind)
+        if entry.plugin == plugin and entry.status not in ("ok", "overridden")
+    ]
+
+
+def problem_notes(registry: Registry) -> list[str]:
+    """One line per estimator, loss, rollout or reward that conflicts, is incompatible or broken: the
+    default listing shows only engine backends, and these must not look fine there."""
+    return [
+        f"  {entry.kind} '{entry.name}' from {entry.provider}: {entry.status}: {entry.error}"
+        for info in registry.plugins
+        for entry in _problems(registry, info.name)
+    ]
+
+
 def backend_rows(registry: Registry) -> list[dict[str, Any]]:
     """One row per engine backend; a plugin without backends (or broken, or blocked) gets one row
-    with an empty backend, so that every plugin appears."""
-    backends = registry.entries("engine_backends")
+    with an empty backend, so that every plugin appears. That row's status is the plugin's own, or
+    the worst of what it provides besides backends (a policy loss clashing with a built-in shows
+    as ``conflict``, not ``ok``)."""
+    backends = registry.entries(ENGINE_BACKENDS)
     rows = []
     for info in registry.plugins:
         provided = [entry for entry in backends if entry.plugin == info.name] if info.status == "ok" else []
-        rows += [_backend_row(info, entry) for entry in provided] or [_backend_row(info, None)]
+        rows += [_backend_row(info, entry) for entry in provided] or [
+            _plugin_row(info, _problems(registry, info.name))
+        ]
     return rows
+
+
+def _plugin_row(info: PluginInfo, problems: list[Entry]) -> dict[str, Any]:
+    row = _backend_row(info, None)
+    if info.status == "ok" and problems:
+        row["status"] = problems[0].status
+        row["error"] = " ".join(f"{entry.kind} '{entry.name}': {entry.error}" for entry in problems)
+    return row
 
 
 def _backend_row(info: PluginInfo, entry: Entry | None) -> dict[str, Any]:

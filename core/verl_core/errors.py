@@ -27,6 +27,10 @@ class ApiVersionError(PluginError):
     """A backend targets an engine API version core does not speak."""
 
 
+class SwitchError(VerlCoreError, ValueError):
+    """An environment switch of plugin discovery (``VERL_CORE_*``) holds a value it cannot have."""
+
+
 class UnknownNameError(VerlCoreError, LookupError):
     """A backend, estimator, loss, ... name that no installed plugin provides."""
 
@@ -41,3 +45,11 @@ class ConfigError(VerlCoreError, ValueError):
         lines = [f"{len(self.errors)} error(s) in the configuration{where}:"]
         lines += [f"  {path}: {message}" if path else f"  {message}" for path, message in self.errors]
         super().__init__("\n".join(lines))
+
+
+class PluginWarning(UserWarning):
+    """Something about the installed plugins that works but is probably not what was meant."""
+
+
+class ConfigWarning(UserWarning):
+    """A configuration value the run will ignore, or one that is probably not what was meant."""

@@ -21,6 +21,14 @@ from verl_core.descriptors import (
 PROJECT_NAME = "verl_core"
 ENTRY_POINT_GROUP = "verl_core.plugins"
 
+#: The registry kinds: each hook's name without its ``verl_`` prefix (``Registry.get(ENGINE_BACKENDS, "fsdp")``).
+ENGINE_BACKENDS = "engine_backends"
+ADVANTAGE_ESTIMATORS = "advantage_estimators"
+POLICY_LOSSES = "policy_losses"
+ROLLOUT_BACKENDS = "rollout_backends"
+REWARD_FUNCTIONS = "reward_functions"
+HOOK_PREFIX = "verl_"
+
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 

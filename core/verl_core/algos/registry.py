@@ -11,15 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from verl_core.hookspecs import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from verl_core.plugins import Registry, get_registry
-
-ADVANTAGE_ESTIMATORS = "advantage_estimators"
-POLICY_LOSSES = "policy_losses"
 
 
 def _load(kind: str, name: str, registry: Registry | None, where: str) -> Callable[..., Any]:
-    descriptor = (registry or get_registry()).get(kind, name, where=where)
-    return descriptor.load()
+    return (registry or get_registry()).entry(kind, name, where=where).load("function")
 
 
 def get_advantage_estimator(name: str, registry: Registry | None = None) -> Callable[..., Any]:

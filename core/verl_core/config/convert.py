@@ -29,6 +29,7 @@ from cattrs.gen import make_dict_structure_fn_from_attrs, make_dict_unstructure_
 from verl_core.config.engine import EngineConfig
 from verl_core.config.validators import InvalidValue
 from verl_core.errors import ConfigError
+from verl_core.hookspecs import ENGINE_BACKENDS
 
 if typing.TYPE_CHECKING:
     from verl_core.plugins import Registry
@@ -315,14 +316,8 @@ def _current_registry() -> Registry:
 
 
 def _load_options_class(registry: Registry, kind: str, name: str) -> type:
-    backend = registry.get(kind, name)  # its errors list what is installed and how to install more
-    try:
-        return backend.load_config()
-    except Exception as exc:
-        raise ValueError(
-            f"cannot import the options class {backend.config!r} of backend '{name}': "
-            f"{type(exc).__name__}: {exc}. Fix or reinstall the plugin providing it"
-        ) from exc
+    # Both raise errors naming the plugin and the fix: an unknown name lists what is installed.
+    return registry.entry(kind, name).load("config")
 
 
 def _make_backend_options_hooks(cls: type, kind: str) -> tuple[Any, Any]:
@@ -404,7 +399,7 @@ def _register_hooks() -> None:
         lambda tp: tp is tuple or typing.get_origin(tp) is tuple, _unstructure_tuple
     )
 
-    structure_engine, unstructure_engine = _make_backend_options_hooks(EngineConfig, "engine_backends")
+    structure_engine, unstructure_engine = _make_backend_options_hooks(EngineConfig, ENGINE_BACKENDS)
     _converter.register_structure_hook(EngineConfig, structure_engine)
     _converter.register_unstructure_hook(EngineConfig, unstructure_engine)
 

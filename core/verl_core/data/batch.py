@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from verl_core.engine.distributed import collective_device, group_size
+from verl_core.distributed import collective_device, group_size
 
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"

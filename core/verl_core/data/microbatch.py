@@ -22,7 +22,7 @@ from tensordict import TensorDict
 
 from verl_core.config.engine import MicroBatchConfig
 from verl_core.data.batch import ATTENTION_MASK
-from verl_core.engine.distributed import all_reduce_max
+from verl_core.distributed import all_reduce_max
 
 T = TypeVar("T", torch.Tensor, TensorDict)
 

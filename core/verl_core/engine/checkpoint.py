@@ -23,7 +23,7 @@ from pathlib import Path
 import attrs
 import torch.distributed as dist
 
-from verl_core.engine.distributed import barrier, group_rank, group_size
+from verl_core.distributed import barrier, group_rank, group_size
 from verl_core.errors import VerlCoreError
 
 MARKER_FILE = "verl_checkpoint.json"

@@ -19,8 +19,8 @@ from tensordict import TensorDict
 from verl_core.config.engine import MicroBatchConfig
 from verl_core.data.batch import INPUT_IDS, attach_global_counts, compute_global_counts
 from verl_core.data.microbatch import split_micro_batches
+from verl_core.distributed import all_reduce_sum, group_size
 from verl_core.engine.base import ForwardBackwardResult, LossFn
-from verl_core.engine.distributed import all_reduce_sum, group_size
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

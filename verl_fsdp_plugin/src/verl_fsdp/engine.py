@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from verl_core.config.engine import EngineConfig
+from verl_core.distributed import barrier
 from verl_core.engine.base import BaseEngine, ForwardBackwardResult, LossFn
 from verl_core.engine.checkpoint import atomic_checkpoint, open_checkpoint
 from verl_core.engine.device import move_module
-from verl_core.engine.distributed import barrier
 from verl_core.engine.hf import export_hf_model, forward_micro_batch, load_hf_model
 from verl_core.engine.loop import run_micro_batches
 from verl_core.engine.optim import (

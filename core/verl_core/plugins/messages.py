@@ -1,0 +1,131 @@
+"""How plugin problems are worded: who provides what, close matches, and the fix for each failure.
+
+Every message names the plugin and its distribution (``plugin 'ddp' (verl-ddp 0.1.0)``) and says
+what to do; the registry and discovery only decide *when* to raise or record them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata as metadata
+from collections.abc import Iterable
+
+from verl_core import __version__
+from verl_core.descriptors import ENGINE_API_VERSION
+from verl_core.hookspecs import ENGINE_BACKENDS, ENTRY_POINT_GROUP
+from verl_core.plugins.switches import ENV_BLOCK, ENV_DISABLE_AUTOLOAD, ENV_PLUGINS
+
+#: First-party names shipped in separate distributions: kind -> name -> (distribution, pip extra).
+FIRST_PARTY: dict[str, dict[str, tuple[str, str]]] = {
+    ENGINE_BACKENDS: {
+        "fsdp": ("verl-fsdp-plugin", "fsdp"),
+        "megatron": ("verl-megatron-plugin", "megatron"),
+    }
+}
+
+
+def dist_label(distribution: str | None, version: str | None) -> str:
+    """``verl-ddp 0.1.0``, or ``no distribution`` for a module loaded by name."""
+    if distribution is None:
+        return "no distribution"
+    return f"{distribution} {version}" if version else distribution
+
+
+def provider(plugin: str, distribution: str | None, version: str | None) -> str:
+    """``plugin 'ddp' (verl-ddp 0.1.0)``: how messages name a plugin."""
+    return f"plugin '{plugin}' ({dist_label(distribution, version)})"
+
+
+def close_match(name: str, candidates: Iterable[str]) -> str | None:
+    matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def short_repr(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def fix_plugin(distribution: str | None, module: str | None, plugin: str) -> str:
+    """The usual way out of a broken plugin."""
+    return f"Fix or upgrade {distribution or module or 'the module'}, or block it with {ENV_BLOCK}={plugin}"
+
+
+def not_a_hook(attribute: str, hook: str, hook_names: list[str]) -> str:
+    match = close_match(hook, hook_names)
+    advice = f"did you mean {match}?" if match else f"the hooks are {', '.join(hook_names)}"
+    return f"{attribute}() is not a verl-core hook; {advice}"
+
+
+def conflict(
+    label: str, descriptor_class: str, name: str, providers: list[str], overriding: list[str]
+) -> str:
+    """Several providers of one name and not exactly one ``override=True`` among them."""
+    listed = " and ".join(providers)
+    if overriding:
+        return (
+            f"{label} '{name}' is provided by {listed}, and {len(overriding)} of them mark override=True "
+            f"({', '.join(overriding)}); only one may win. Fix: remove override=True from all but the "
+            f"{descriptor_class} that should win, uninstall one distribution, or block one plugin with "
+            f"{ENV_BLOCK}=<plugin or distribution>."
+        )
+    return (
+        f"{label} '{name}' is provided by {listed}: none of them marks override=True. Fix: set "
+        f"override=True on the {descriptor_class} that should win, uninstall one distribution, or block one "
+        f"plugin with {ENV_BLOCK}=<plugin or distribution>."
+    )
+
+
+def api_mismatch(label: str, name: str, by: str, distribution: str | None, plugin: str, version: int) -> str:
+    if version > ENGINE_API_VERSION:
+        upgrade = "Upgrade verl-core (pip install -U verl-core)"
+    elif distribution:
+        upgrade = f"Upgrade {distribution} (pip install -U {distribution})"
+    else:
+        upgrade = f"Upgrade plugin '{plugin}'"
+    return (
+        f"{label} '{name}' from {by} targets engine API version {version}, "
+        f"but verl-core {__version__} speaks engine API version {ENGINE_API_VERSION}. "
+        f"{upgrade} so that both speak the same version."
+    )
+
+
+def unimportable(label: str, name: str, by: str, field: str, target: str, cause: str) -> str:
+    """An import string of a descriptor that does not resolve."""
+    return (
+        f"{label} '{name}' from {by}: its {field} {target!r} cannot be imported ({cause}). Fix the "
+        f"descriptor's {field}= import string ('package.module:attribute') in the plugin, or reinstall it"
+    )
+
+
+def first_party_hint(
+    label: str, name: str, distribution: str, extra: str, loaded: list, autoload: bool
+) -> str:
+    """What to do about a first-party name that is not provided: install it, or why it is missing.
+
+    ``loaded`` are the plugins discovery found from ``distribution`` (their ``status``)."""
+    try:
+        version = metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return f"The '{name}' {label} ships in {distribution}: pip install \"verl-core[{extra}]\""
+    hint = f"{distribution} {version} is installed but provides no '{name}' {label}"
+    if not loaded and not autoload:
+        return f"{hint}: plugin autoload is disabled ({ENV_DISABLE_AUTOLOAD}=1); list its module in {ENV_PLUGINS}."
+    if any(info.status != "ok" for info in loaded):
+        return f"{hint}: its plugin is not loaded (see the note below)."
+    if not loaded:
+        return (
+            f"{hint}: this release declares no '{ENTRY_POINT_GROUP}' entry point, so it "
+            f"provides no plugins at all. Install a release of {distribution} that provides '{name}' "
+            f'(its release notes say which) with pip install -U "verl-core[{extra}]"'
+        )
+    return f'{hint}; reinstall a matching release: pip install --force-reinstall "verl-core[{extra}]"'
+
+
+def unknown_block_entry(name: str, known: list[str]) -> str:
+    match = close_match(name, known)
+    suggestion = f" (did you mean '{match}'?)" if match else ""
+    return (
+        f"{ENV_BLOCK} names '{name}', which is no installed plugin, distribution or module{suggestion}; "
+        f"the installed plugins are {', '.join(sorted(set(known))) or 'none'}. Fix the name or remove it"
+    )

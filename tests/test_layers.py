@@ -1,0 +1,88 @@
+"""Core's packages import only from their own layer and the layers below (docs/DESIGN's layer order).
+
+Lower layers never import higher ones: errors and descriptors, then the plugin contract and registry,
+then config, then the collective helpers, then data, then the engine contract and the algorithms,
+then rollout and reward, then workers, then the trainer and the command line. The conformance kit
+(``testing``) sits just above the engine and may use everything below it. Every import counts, those
+inside functions and ``TYPE_CHECKING`` blocks included: a lazy import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import verl_core
+
+CORE = Path(verl_core.__file__).parent
+
+#: Each top-level module or package of verl_core, by layer (lowest first).
+LAYERS: list[tuple[str, ...]] = [
+    ("errors", "descriptors"),
+    ("hookspecs", "__init__"),  # the package re-exports the descriptors and ``hookimpl``
+    ("plugins",),
+    ("config",),
+    ("distributed",),
+    ("data",),
+    ("engine", "algos"),
+    ("testing",),
+    ("rollout", "reward"),
+    ("workers",),
+    ("trainer", "cli", "__main__", "_builtin"),
+]
+LAYER = {unit: level for level, units in enumerate(LAYERS) for unit in units}
+
+
+def unit_of(module: str) -> str:
+    """``verl_core.engine.hf`` -> ``engine``; ``verl_core`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """Every ``verl_core`` module ``path`` imports, with its line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name.startswith("verl_core")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("verl_core"):
+            if node.module == "verl_core":  # ``from verl_core import hookspecs`` names a submodule
+                for alias in node.names:
+                    submodule = CORE / f"{alias.name}.py"
+                    package = CORE / alias.name / "__init__.py"
+                    name = (
+                        f"verl_core.{alias.name}" if submodule.exists() or package.exists() else "verl_core"
+                    )
+                    found.append((node.lineno, name))
+            else:
+                found.append((node.lineno, node.module))
+    return found
+
+
+SOURCES = sorted(CORE.rglob("*.py"))
+
+
+def test_every_unit_of_core_has_a_layer() -> None:
+    units = {unit_of("verl_core." + ".".join(p.relative_to(CORE).with_suffix("").parts)) for p in SOURCES}
+    assert units - set(LAYER) == set(), "add the new module or package to LAYERS (and to docs/DESIGN.md)"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(CORE)))
+def test_imports_go_down_the_layers_only(path: Path) -> None:
+    module = "verl_core." + ".".join(path.relative_to(CORE).with_suffix("").parts)
+    own = unit_of(module.removesuffix(".__init__"))
+    upward = [
+        f"line {line}: {imported} (layer {LAYER[unit_of(imported)]}: {unit_of(imported)})"
+        for line, imported in imported_modules(path)
+        if LAYER[unit_of(imported)] > LAYER[own]
+    ]
+    assert not upward, f"{module} (layer {LAYER[own]}: {own}) imports from higher layers: {upward}"
+
+
+def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
+    source = tmp_path / "bad.py"
+    source.write_text("def f():\n    from verl_core.engine.hf import load_hf_model\n")
+    assert imported_modules(source) == [(2, "verl_core.engine.hf")]
+    assert LAYER[unit_of("verl_core.engine.hf")] > LAYER["data"]

@@ -214,7 +214,7 @@ OPTIONS_PLUGIN = """
 
     @hookimpl
     def verl_engine_backends():
-        return [EngineBackend(name="fakeeng", engine="fakeeng_plugin:Options", config="fakeeng_plugin:Options")]
+        return [EngineBackend(name="fakeeng", engine="fakeeng_plugin:Options", config="fakeeng_plugin:Options", api_version=1)]
 """
 
 

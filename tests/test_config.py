@@ -69,8 +69,8 @@ class ToyPlugin:
     @hookimpl
     def verl_engine_backends() -> list[EngineBackend]:
         return [
-            EngineBackend(name="toy", engine="fixtures.engines:Engine", config=ToyOptions),
-            EngineBackend(name="other", engine="fixtures.engines:Engine", config=OtherOptions),
+            EngineBackend(name="toy", engine="fixtures.engines:Engine", config=ToyOptions, api_version=1),
+            EngineBackend(name="other", engine="fixtures.engines:Engine", config=OtherOptions, api_version=1),
         ]
 
 

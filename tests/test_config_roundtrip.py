@@ -67,8 +67,8 @@ class Backends:
     @hookimpl
     def verl_engine_backends() -> list[EngineBackend]:
         return [
-            EngineBackend(name="spin", engine="fixtures.engines:Engine", config=SpinOptions),
-            EngineBackend(name="plain", engine="fixtures.engines:Engine", config=PlainOptions),
+            EngineBackend(name="spin", engine="fixtures.engines:Engine", config=SpinOptions, api_version=1),
+            EngineBackend(name="plain", engine="fixtures.engines:Engine", config=PlainOptions, api_version=1),
         ]
 
 

@@ -133,7 +133,9 @@ BROKEN_ENGINES = {
 @hookimpl
 def verl_engine_backends() -> list[EngineBackend]:
     return [
-        EngineBackend(name=name, engine=engine, config=DDPConfig, roles=("lm",), devices=("cpu",))
+        EngineBackend(
+            name=name, engine=engine, config=DDPConfig, roles=("lm",), devices=("cpu",), api_version=1
+        )
         for name, engine in BROKEN_ENGINES.items()
     ]
 

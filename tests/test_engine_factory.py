@@ -13,7 +13,7 @@ import pytest
 from verl_core import EngineBackend, hookimpl
 from verl_core.config.engine import EngineConfig, ModelConfig
 from verl_core.engine import BaseEngine, build_engine
-from verl_core.errors import ConfigError, UnknownNameError
+from verl_core.errors import ConfigError, PluginValidationError, UnknownNameError
 from verl_core.plugins import Registry
 
 pytest.importorskip("verl_ddp", reason="needs the template plugin: pip install -e plugins/verl_ddp")
@@ -33,9 +33,13 @@ class NarrowPlugin:
                 config="verl_ddp.config:DDPConfig",
                 roles=("lm",),
                 devices=("cuda",),
+                api_version=1,
             ),
             EngineBackend(
-                name="not-an-engine", engine="verl_ddp.config:DDPConfig", config="verl_ddp.config:DDPConfig"
+                name="not-an-engine",
+                engine="verl_ddp.config:DDPConfig",
+                config="verl_ddp.config:DDPConfig",
+                api_version=1,
             ),
         ]
 
@@ -65,12 +69,11 @@ def test_options_instance_is_passed_through(registry) -> None:
 
 def test_options_of_another_type_name_the_expected_class(registry) -> None:
     expected = (
-        r"engine\.options: expected an instance of verl_ddp\.config\.DDPConfig \(the options of engine "
-        r"backend 'ddp' from plugin 'ddp' \(verl-ddp 0\.1\.0\)\) or None for its defaults, "
-        r"got builtins\.dict"
+        r"actor\.engine\.options: expected an instance of verl_ddp\.config\.DDPConfig \(the options of "
+        r"engine backend 'ddp'\) or None for its defaults, got builtins\.dict"
     )
     with pytest.raises(ConfigError, match=expected):
-        build_engine(config(options={"bucket_cap_mb": 4}), registry=registry)
+        build_engine(config(options={"bucket_cap_mb": 4}), registry=registry, config_path="actor.engine")
 
 
 def test_unsupported_role_names_backend_provider_and_roles(registry) -> None:
@@ -93,7 +96,7 @@ def test_unsupported_device_names_backend_provider_and_devices(registry) -> None
 
 def test_engine_that_is_not_a_base_engine_is_refused(registry) -> None:
     with pytest.raises(
-        TypeError, match=r"engine backend 'not-an-engine' .*is not a subclass of .*BaseEngine"
+        PluginValidationError, match=r"engine backend 'not-an-engine' .*is not a subclass of .*BaseEngine"
     ):
         build_engine(config("not-an-engine"), registry=registry)
 

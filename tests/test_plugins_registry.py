@@ -36,6 +36,7 @@ def _clean_environment(monkeypatch):
 
 
 def backend(name: str, **fields) -> EngineBackend:
+    fields.setdefault("api_version", ENGINE_API_VERSION)
     return EngineBackend(
         name=name, engine="fixtures.engines:Engine", config="fixtures.engines:Config", **fields
     )
@@ -365,3 +366,32 @@ def test_kind_constants_are_the_registry_kinds():
     constants = [hookspecs.ENGINE_BACKENDS, hookspecs.ADVANTAGE_ESTIMATORS, hookspecs.POLICY_LOSSES]
     constants += [hookspecs.ROLLOUT_BACKENDS, hookspecs.REWARD_FUNCTIONS]
     assert constants == Registry.from_plugins().kinds
+
+
+def test_a_backend_must_state_its_api_version():
+    with pytest.raises(ValueError) as caught:
+        EngineBackend(name="mine", engine="fixtures.engines:Engine", config="fixtures.engines:Config")
+    message = str(caught.value)
+    assert (
+        f"EngineBackend(name='mine'): api_version is required: write api_version={ENGINE_API_VERSION}"
+        in message
+    )
+    assert "as a literal number (not verl_core.ENGINE_API_VERSION" in message
+    with pytest.raises(TypeError, match=r"api_version='1': expected an int"):
+        backend("mine", api_version="1")
+
+
+def test_a_plugin_whose_descriptor_lacks_the_api_version_is_broken_with_the_fix():
+    class Unversioned:
+        @staticmethod
+        @hookimpl
+        def verl_engine_backends():
+            return [
+                EngineBackend(name="mine", engine="fixtures.engines:Engine", config="fixtures.engines:Config")
+            ]
+
+    registry = Registry.from_plugins([Unversioned])
+    (info,) = [info for info in registry.plugins if info.name == "Unversioned"]
+    assert info.status == "broken"
+    assert "hook verl_engine_backends() raised ValueError" in info.error
+    assert f"api_version is required: write api_version={ENGINE_API_VERSION}" in info.error

@@ -75,6 +75,21 @@ def _check_members(allowed: tuple[str, ...]) -> Callable[[Any, attrs.Attribute, 
     return check
 
 
+def _check_api_version(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is None:
+        raise ValueError(
+            f"{type(instance).__name__}(name={instance.name!r}): api_version is required: write "
+            f"api_version={ENGINE_API_VERSION}, the engine API version your engine implements, as a literal "
+            "number (not verl_core.ENGINE_API_VERSION, which follows whatever core is installed and so could "
+            "never refuse a mismatch)"
+        )
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(
+            f"{type(instance).__name__}(name={instance.name!r}): api_version={value!r}: expected an int, "
+            f"e.g. api_version={ENGINE_API_VERSION}"
+        )
+
+
 def _as_tuple(value: Any) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
@@ -84,8 +99,10 @@ class EngineBackend:
     """An engine backend: one way to own a model on a rank (FSDP, Megatron, DDP, ...).
 
     ``engine`` and ``config`` are import strings (or the objects themselves); they are imported only
-    when this backend is selected. ``override=True`` states that this backend deliberately replaces
-    another plugin's backend of the same name; without it, two providers of one name are an error.
+    when this backend is selected. ``api_version`` (required) is the engine API version the engine
+    implements, written as a literal number: a core that speaks another version refuses the backend.
+    ``override=True`` states that this backend deliberately replaces another plugin's backend of the
+    same name; without it, two providers of one name are an error.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -97,7 +114,7 @@ class EngineBackend:
     roles: tuple[str, ...] = attrs.field(
         default=("lm", "value"), converter=_as_tuple, validator=_check_members(MODEL_ROLES)
     )
-    api_version: int = ENGINE_API_VERSION
+    api_version: int = attrs.field(default=None, validator=_check_api_version)
     description: str = ""
     override: bool = False
 

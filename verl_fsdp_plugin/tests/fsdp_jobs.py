@@ -27,6 +27,7 @@ import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from verl_core.config.engine import MicroBatchConfig
@@ -393,6 +394,16 @@ def refuses_moving_parameters_without_gradients(ctx: RankContext) -> None:
         raise AssertionError("to(model=True, grad=False) was accepted on a sharded engine")
 
 
+def one_rank_group_runs_unsharded(ctx: RankContext) -> None:
+    """A group of one rank has nothing to shard across: the plain model runs (FSDP's hooks and copies
+    would only cost time), unless an option only FSDP honours is set."""
+    plain = ctx.engine()
+    assert not plain.sharded and not isinstance(plain.model, FSDPModule), type(plain.model)
+    assert not any(isinstance(p, DTensor) for p in plain.model.parameters()), "parameters are DTensors"
+    mixed = with_options(ctx, reduce_dtype="float32").engine()
+    assert mixed.sharded and isinstance(mixed.model, FSDPModule), "reduce_dtype needs FSDP: it must shard"
+
+
 # -- properties of the CUDA job (test_fsdp_gpu.py; backend cpu:gloo,cuda:nccl) ----------------------------
 
 #: fp32 on CUDA against fp32 on CUDA with another layout or placement: TF32 is off by default for
@@ -464,8 +475,9 @@ JOBS: dict[str, list[Property]] = {
         export_gathers_one_tensor_at_a_time,
         checkpoint_at_two_ranks,
         hf_export,
+        refuses_moving_parameters_without_gradients,
     ],
-    "one_rank": [resumes_checkpoint_of_two_ranks, refuses_moving_parameters_without_gradients],
+    "one_rank": [resumes_checkpoint_of_two_ranks, one_rank_group_runs_unsharded],
     "cuda": [bf16_on_cuda, cpu_offload_on_cuda, param_offload_on_cuda],
 }
 

@@ -87,8 +87,12 @@ def test_checkpoint_saved_at_two_ranks_resumes_at_one(fsdp_jobs, two_ranks, one_
     assert_holds(fsdp_jobs, one_rank, "resumes_checkpoint_of_two_ranks")
 
 
-def test_sharded_engine_moves_parameters_and_gradients_together(fsdp_jobs, one_rank) -> None:
-    assert_holds(fsdp_jobs, one_rank, "refuses_moving_parameters_without_gradients")
+def test_sharded_engine_moves_parameters_and_gradients_together(fsdp_jobs, two_ranks) -> None:
+    assert_holds(fsdp_jobs, two_ranks, "refuses_moving_parameters_without_gradients")
+
+
+def test_a_one_rank_group_runs_the_plain_model_unless_an_option_needs_fsdp(fsdp_jobs, one_rank) -> None:
+    assert_holds(fsdp_jobs, one_rank, "one_rank_group_runs_unsharded")
 
 
 def test_checkpoint_saved_at_two_ranks_loads_without_a_process_group(fsdp_jobs, workdir, two_ranks) -> None:

@@ -182,7 +182,8 @@ def test_offload_policy_pins_memory_only_with_a_device() -> None:
 
 def test_engine_refuses_foreign_options_and_use_before_initialize(tiny_models) -> None:
     with pytest.raises(
-        ConfigError, match=r"engine\.options: expected a verl_fsdp\.config\.FSDPConfig.*got dict"
+        ConfigError,
+        match=r"engine\.options: expected an instance of verl_fsdp\.config\.FSDPConfig.*got builtins\.dict",
     ):
         FSDPEngine(engine_config(tiny_models.lm, options={"cpu_offload": True}))
     engine = FSDPEngine(engine_config(tiny_models.lm))

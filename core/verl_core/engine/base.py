@@ -57,17 +57,25 @@ class ForwardBackwardResult:
 
 
 class BaseEngine(abc.ABC):
-    """Base class of every engine backend. Construct through ``verl_core.engine.build_engine``."""
+    """Base class of every engine backend. Construct through ``verl_core.engine.build_engine``.
 
-    #: The backend's own options class (its ``EngineBackend.config``): ``config.options`` must be an
-    #: instance of it, or ``None`` for its defaults. ``self.options`` holds the resolved instance.
+    ``config_path`` is where ``config`` sits in a run config (``actor.engine``): errors about it name
+    that path. docs/engine.md documents every method: who calls it, when, on which ranks.
+    """
+
+    #: The backend's own options class (its ``EngineBackend.config``, the one source of truth that
+    #: ``build_engine`` checks against): ``config.options`` must be an instance of it, or ``None`` for
+    #: its defaults. ``self.options`` holds the resolved instance.
     options_class: ClassVar[type | None] = None
 
-    def __init__(self, config: EngineConfig, role: str = "lm"):
-        self.config = config
+    def __init__(self, config: EngineConfig, role: str = "lm", *, config_path: str = "engine"):
         self.role = role
+        self.config_path = config_path
+        self.config = config
         self.options = self._resolve_options(config.options)
-        self._device = resolve_device(config.device)
+        if config.options is not self.options:  # the defaults: ``self.config`` says what runs
+            self.config = attrs.evolve(config, options=self.options)
+        self._device = resolve_device(config.device, where=f"{config_path}.device")
 
     def _resolve_options(self, options: Any) -> Any:
         cls = self.options_class
@@ -79,9 +87,10 @@ class BaseEngine(abc.ABC):
             raise ConfigError(
                 [
                     (
-                        "engine.options",
-                        f"expected a {cls.__module__}.{cls.__qualname__} (or None for the defaults), "
-                        f"got {type(options).__qualname__}",
+                        f"{self.config_path}.options",
+                        f"expected an instance of {cls.__module__}.{cls.__qualname__} (the options of engine "
+                        f"backend '{self.config.backend}') or None for its defaults, got "
+                        f"{type(options).__module__}.{type(options).__qualname__}",
                     )
                 ]
             )

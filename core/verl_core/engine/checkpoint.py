@@ -8,6 +8,9 @@ so a crash at any point leaves a complete checkpoint: the old one or the new one
 
 ``open_checkpoint`` finds it again even when the crash fell between the two renames.
 The directory must be on a file system every rank sees (as for any multi-rank checkpoint).
+``reading_checkpoint`` wraps a backend's loading code so that a damaged checkpoint (files missing or
+truncated after the marker was written, say by a partial copy) or one of another model is reported
+naming the checkpoint, not as a raw ``FileNotFoundError`` or size mismatch.
 """
 
 from __future__ import annotations
@@ -15,12 +18,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
+import torch
 import torch.distributed as dist
 
 from verl_core.distributed import barrier, group_rank, group_size
@@ -104,7 +110,13 @@ def open_checkpoint(path: str | os.PathLike, backend: str | None = None) -> tupl
     renaming the new one into place, whichever of the two is complete (the new one first).
     """
     final = Path(path)
-    candidates = [final] if final.exists() else [*_siblings(final)]
+    if final.is_file():
+        raise CheckpointError(
+            f"{final} is a file, not a checkpoint directory: give the folder save_checkpoint wrote "
+            f"(the one holding {MARKER_FILE})"
+        )
+    staging, replaced = _siblings(final)
+    candidates = [final] if final.exists() else [staging, replaced]
     for directory in candidates:
         if (directory / MARKER_FILE).is_file():
             info = read_checkpoint_info(directory)
@@ -120,7 +132,66 @@ def open_checkpoint(path: str | os.PathLike, backend: str | None = None) -> tupl
             f"incomplete checkpoint at {final}: it has no {MARKER_FILE}, so a save was interrupted "
             "(or this is not a verl-core checkpoint); resume from an earlier one"
         )
+    if staging.exists():
+        raise CheckpointError(
+            f"no checkpoint at {final}: only {staging.name}, the folder of a save that was interrupted "
+            "before it completed, is there (nothing in it is trusted); resume from an earlier checkpoint"
+        )
     raise CheckpointError(f"no checkpoint at {final}: the directory does not exist")
+
+
+@contextlib.contextmanager
+def reading_checkpoint(directory: str | os.PathLike, model: str | None = None) -> Iterator[None]:
+    """Report what loading from the checkpoint ``directory`` raises as a ``CheckpointError`` naming it.
+
+    A missing or truncated file in a checkpoint marked complete means it was damaged after the save
+    (a partial copy, a full disk); a size mismatch or missing keys mean it belongs to another model
+    (``model`` names the one loading it, e.g. its config path). The original error is chained.
+    """
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except FileNotFoundError as error:
+        missing = error.filename or error
+        raise CheckpointError(
+            f"damaged checkpoint at {directory}: {missing} is missing although the checkpoint is marked "
+            "complete (copied partially, or files deleted); resume from another checkpoint"
+        ) from error
+    except RuntimeError as error:
+        text = str(error)
+        if "size mismatch" in text or "Missing key" in text or "Unexpected key" in text:
+            first_lines = " ".join(text.splitlines()[:3])
+            raise CheckpointError(
+                f"the checkpoint at {directory} is of another model than {model or 'this engine'}: "
+                f"{first_lines[:400]}; resume with the model it was saved from, or start a new run"
+            ) from error
+        raise _unreadable(directory, error) from error
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError, KeyError) as error:
+        raise _unreadable(directory, error) from error
+
+
+def load_model_state(
+    module: torch.nn.Module, state_dict: dict[str, Any], directory: str | os.PathLike, model: str
+) -> None:
+    """``module.load_state_dict(state_dict)`` (strict); a checkpoint of another model (missing keys,
+    size mismatches) is an error naming the checkpoint ``directory`` and the ``model`` loading it."""
+    with reading_checkpoint(directory, model):
+        module.load_state_dict(state_dict)
+
+
+def _unreadable(directory: str | os.PathLike, error: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"damaged checkpoint at {directory}: a file cannot be read ({type(error).__name__}: "
+        f"{' '.join(str(error).split())[:300]}), e.g. truncated by a partial copy or a full disk; resume "
+        "from another checkpoint"
+    )
+
+
+def load_checkpoint_file(directory: str | os.PathLike, name: str) -> Any:
+    """``torch.load`` of one file of a checkpoint (``weights_only``, onto the CPU), errors named."""
+    with reading_checkpoint(directory):
+        return torch.load(Path(directory) / name, map_location="cpu", weights_only=True)
 
 
 def read_checkpoint_info(directory: str | os.PathLike) -> CheckpointInfo:

@@ -8,7 +8,9 @@ label, a scalar per token (the critic, as in verl), initialised from the same ca
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDict
@@ -22,10 +24,15 @@ from transformers import (
 from verl_core.config.engine import ModelConfig
 from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES, VALUES
 from verl_core.descriptors import MODEL_ROLES
+from verl_core.distributed import barrier
 from verl_core.engine.base import COMPUTE_ENTROPY, TEMPERATURE
 from verl_core.engine.checkpoint import atomic_directory
 from verl_core.engine.logprob import log_probs_and_entropy
 from verl_core.engine.seed import seeded
+from verl_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 #: Every Hugging Face model directory has it: what makes an earlier export replaceable.
 HF_CONFIG_FILE = "config.json"
@@ -51,17 +58,55 @@ TOKENIZER_FILES = (
 )
 
 
-def load_hf_model(config: ModelConfig, role: str = "lm", seed: int = 0) -> PreTrainedModel:
-    """Load ``config.path`` for ``role`` on CPU, in ``config.dtype``, in train mode.
+def check_model_dir(path: str, where: str = "model.path") -> Path:
+    """``path`` as a local Hugging Face model directory, or a ``ConfigError`` at ``where`` saying what
+    it is instead (missing, a file, a hub id, a folder without ``config.json``) and how to fix it.
+
+    Models load from local folders only: nothing here reaches the network.
+    """
+    directory = Path(path).expanduser()
+    if directory.is_dir():
+        if (directory / HF_CONFIG_FILE).is_file():
+            return directory
+        problem = (
+            f"{path!r} is a folder without {HF_CONFIG_FILE}, so it is not a Hugging Face model: point it at "
+            "the folder that save_pretrained() wrote (the one holding config.json and the weights)"
+        )
+    elif directory.exists():
+        problem = f"{path!r} is a file; give the model's folder (the one holding {HF_CONFIG_FILE})"
+    elif _looks_like_hub_id(path):
+        problem = (
+            f"{path!r} is not a local folder; it looks like a Hugging Face hub id, but models load from local "
+            f"folders only (never from the network): download it first, e.g. `hf download {path} "
+            f"--local-dir models/{path.split('/')[-1]}`, and give that folder"
+        )
+    else:
+        problem = f"{path!r} does not exist (relative paths are relative to {Path.cwd()})"
+    raise ConfigError([(where, problem)])
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 2 and all(parts) and not path.startswith((".", "~"))
+
+
+def load_hf_model(
+    config: ModelConfig, role: str = "lm", seed: int = 0, where: str = "model"
+) -> PreTrainedModel:
+    """Load ``config.path`` (a local folder) for ``role`` on CPU, in ``config.dtype``, in train mode.
 
     Weights the checkpoint lacks (the value head of a critic built from a causal LM) are initialised
-    from ``seed``, identically on every rank.
+    from ``seed``, identically on every rank. ``where`` is the config path of ``config`` for errors
+    (``actor.engine.model``).
     """
     if role not in MODEL_ROLES:
         raise ValueError(f"role={role!r}: expected one of {MODEL_ROLES}")
     if config.dtype not in DTYPES:
-        raise ValueError(f"model.dtype={config.dtype!r}: expected one of {sorted(DTYPES)}")
-    hf_config = AutoConfig.from_pretrained(config.path, trust_remote_code=config.trust_remote_code)
+        raise ConfigError([(f"{where}.dtype", f"{config.dtype!r}: expected one of {sorted(DTYPES)}")])
+    path = str(check_model_dir(config.path, f"{where}.path"))
+    hf_config = AutoConfig.from_pretrained(
+        path, trust_remote_code=config.trust_remote_code, local_files_only=True
+    )
     if role == "value":
         hf_config.num_labels = 1
         # The head's dropout would make values differ between train and eval passes.
@@ -69,8 +114,9 @@ def load_hf_model(config: ModelConfig, role: str = "lm", seed: int = 0) -> PreTr
     model_class = AutoModelForCausalLM if role == "lm" else AutoModelForTokenClassification
     with seeded(seed):
         model = model_class.from_pretrained(
-            config.path,
+            path,
             config=hf_config,
+            local_files_only=True,
             dtype=DTYPES[config.dtype],
             attn_implementation=config.attn_implementation,
             trust_remote_code=config.trust_remote_code,
@@ -133,6 +179,33 @@ def export_hf_model(
                 source = Path(tokenizer_source) / name
                 if source.is_file():
                     shutil.copy2(source, staging / name)
+
+
+def save_hf_model_from_params(
+    model: PreTrainedModel,
+    params: Iterable[tuple[str, torch.Tensor]],
+    path: str | Path,
+    *,
+    rank: int,
+    group: ProcessGroup | None = None,
+    tokenizer_source: str | Path | None = None,
+) -> None:
+    """``save_hf_model`` for any engine: a collective over ``group``, every rank returns once the
+    export exists.
+
+    Every rank iterates ``params`` (the engine's ``get_per_tensor_param()``: a collective for sharded
+    engines); rank 0 keeps each full tensor on the CPU and writes ``model``'s config with that state
+    dict (``export_hf_model``, atomic). ``model`` only supplies the config and the file layout (a
+    meta-device model does).
+    """
+    keep = rank == 0
+    state_dict = {}
+    for name, tensor in params:
+        if keep:
+            state_dict[name] = tensor.detach().to("cpu")
+    if keep:
+        export_hf_model(model, path, state_dict=state_dict, tokenizer_source=tokenizer_source)
+    barrier(group)  # no rank returns before the export exists
 
 
 def _non_tensor(batch: TensorDict, key: str, default: object) -> object:

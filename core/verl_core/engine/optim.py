@@ -61,23 +61,26 @@ def lr_multiplier(step: int, config: OptimConfig) -> float:
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * decay
 
 
-def validate_optim_config(config: OptimConfig) -> None:
-    """Refuse option combinations the schedule cannot honour, naming each ``optim.*`` key."""
+def validate_optim_config(config: OptimConfig, where: str = "optim") -> None:
+    """Refuse option combinations the schedule cannot honour, naming each key below ``where``
+    (``actor.engine.optim``)."""
     errors: list[tuple[str, str]] = []
-    if config.lr < 0:
-        errors.append(("optim.lr", f"{config.lr}: must be >= 0"))
+    if not math.isfinite(config.lr) or config.lr < 0:
+        errors.append((f"{where}.lr", f"{config.lr}: must be finite and >= 0"))
     if config.lr_warmup_steps < 0:
-        errors.append(("optim.lr_warmup_steps", f"{config.lr_warmup_steps}: must be >= 0"))
+        errors.append((f"{where}.lr_warmup_steps", f"{config.lr_warmup_steps}: must be >= 0"))
     if config.clip_grad < 0:
-        errors.append(("optim.clip_grad", f"{config.clip_grad}: must be >= 0 (0 disables clipping)"))
+        errors.append((f"{where}.clip_grad", f"{config.clip_grad}: must be >= 0 (0 disables clipping)"))
     if not 0.0 <= config.min_lr_ratio <= 1.0:
-        errors.append(("optim.min_lr_ratio", f"{config.min_lr_ratio}: must be within [0, 1]"))
+        errors.append((f"{where}.min_lr_ratio", f"{config.min_lr_ratio}: must be within [0, 1]"))
     if config.lr_scheduler not in ("constant", "linear", "cosine"):
-        errors.append(("optim.lr_scheduler", f"{config.lr_scheduler!r}: expected constant, linear or cosine"))
+        errors.append(
+            (f"{where}.lr_scheduler", f"{config.lr_scheduler!r}: expected constant, linear or cosine")
+        )
     elif config.lr_scheduler != "constant" and config.total_steps <= config.lr_warmup_steps:
         errors.append(
             (
-                "optim.total_steps",
+                f"{where}.total_steps",
                 f"{config.total_steps}: lr_scheduler={config.lr_scheduler!r} decays until total_steps, "
                 f"which must exceed lr_warmup_steps={config.lr_warmup_steps} (the trainer sets it from "
                 "the run length; set it yourself when building an engine directly)",

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from verl_core.engine.checkpoint import load_checkpoint_file
+
 
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
@@ -53,5 +55,5 @@ def load_rng_state(directory: Path, rank: int) -> bool:
     rng_file = directory / RNG_FILE.format(rank=rank)
     if not rng_file.is_file():
         return False
-    set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=True))
+    set_rng_state(load_checkpoint_file(directory, rng_file.name))
     return True

@@ -7,10 +7,7 @@ every check, its tolerances, and how to read a failure.
 Imports are lazy: spawned ranks import ``verl_core.testing.runner`` without pulling in pytest.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import Any
+from verl_core.lazy import lazy_exports
 
 _EXPORTS = {
     "EngineConformance": "verl_core.testing.suite",
@@ -23,9 +20,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'verl_core.testing' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -74,7 +74,7 @@ def test_options_are_validated() -> None:
 
 def test_engine_refuses_foreign_options_and_use_before_initialize(model_dir) -> None:
     with pytest.raises(
-        ConfigError, match=r"engine\.options: expected a verl_ddp\.config\.DDPConfig.*got dict"
+        ConfigError, match=r"engine\.options: expected an instance of verl_ddp\.config\.DDPConfig.*got builtins\.dict"
     ):
         DDPEngine(
             EngineConfig(backend="ddp", model=ModelConfig(path=model_dir), options={"static_graph": True})

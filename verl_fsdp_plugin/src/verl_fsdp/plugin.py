@@ -18,6 +18,7 @@ def verl_engine_backends() -> list[EngineBackend]:
             config="verl_fsdp.config:FSDPConfig",
             roles=("lm", "value"),
             devices=("cpu", "cuda"),
+            api_version=1,  # the engine API this engine implements: a core speaking another refuses it
             description="PyTorch FSDP2 (fully_shard): sharded parameters, gradients and optimiser state",
         )
     ]

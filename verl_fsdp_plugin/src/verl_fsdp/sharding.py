@@ -24,7 +24,7 @@ from verl_core.engine.hf import DTYPES
 from verl_core.errors import ConfigError
 from verl_fsdp.config import FSDPConfig
 
-#: Where errors about the options point in a config.
+#: Where errors about the options point in a config, unless the engine says where its options sit.
 OPTIONS_PATH = "engine.fsdp"
 
 
@@ -33,25 +33,29 @@ def dp_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
     return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
 
 
-def shard_model(model: torch.nn.Module, options: FSDPConfig, mesh: DeviceMesh) -> FSDPModule:
+def shard_model(
+    model: torch.nn.Module, options: FSDPConfig, mesh: DeviceMesh, where: str = OPTIONS_PATH
+) -> FSDPModule:
     """Apply ``fully_shard`` to each unit of ``model`` and then to its root, in place.
 
     FSDP moves each unit to ``mesh``'s device as it shards it (or keeps it on the CPU under
     ``cpu_offload``), so the full model never has to fit on the device at once.
     """
-    check_offload_backend(options, mesh)
+    check_offload_backend(options, mesh, where)
     common = {
         "mesh": mesh,
         "mp_policy": mixed_precision(options),
         "offload_policy": offload_policy(options, mesh.device_type),
     }
-    for unit in shard_units(model, options.shard_modules):
+    for unit in shard_units(model, options.shard_modules, where):
         fully_shard(unit, reshard_after_forward=options.reshard_after_forward, **common)
     # The root's parameters (the output head) are needed again as soon as backward starts.
     return fully_shard(model, reshard_after_forward=False, **common)
 
 
-def shard_units(model: torch.nn.Module, class_names: tuple[str, ...]) -> list[torch.nn.Module]:
+def shard_units(
+    model: torch.nn.Module, class_names: tuple[str, ...], where: str = OPTIONS_PATH
+) -> list[torch.nn.Module]:
     """The modules of ``model`` that become FSDP units, children before parents.
 
     Explicit ``class_names`` must all occur in the model; the default (the model's
@@ -71,7 +75,7 @@ def shard_units(model: torch.nn.Module, class_names: tuple[str, ...]) -> list[to
         raise ConfigError(
             [
                 (
-                    f"{OPTIONS_PATH}.shard_modules",
+                    f"{where}.shard_modules",
                     f"{missing} not found in {type(model).__name__}; its module classes with parameters "
                     f"are {present}; name some of those, or leave shard_modules empty for its decoder layers",
                 )
@@ -97,7 +101,7 @@ def offload_policy(options: FSDPConfig, device_type: str) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=device_type != "cpu")
 
 
-def check_offload_backend(options: FSDPConfig, mesh: DeviceMesh) -> None:
+def check_offload_backend(options: FSDPConfig, mesh: DeviceMesh, where: str = OPTIONS_PATH) -> None:
     """Under ``cpu_offload`` on an accelerator, gradient norms and weight gathers run on CPU tensors,
     which NCCL cannot reduce: the process group needs a CPU backend as well."""
     if not options.cpu_offload or mesh.device_type == "cpu":
@@ -107,7 +111,7 @@ def check_offload_backend(options: FSDPConfig, mesh: DeviceMesh) -> None:
         raise ConfigError(
             [
                 (
-                    f"{OPTIONS_PATH}.cpu_offload",
+                    f"{where}.cpu_offload",
                     f"keeps sharded state on the CPU, but the process group's backend is {backend!r}, which "
                     f"cannot reduce CPU tensors: initialise torch.distributed with "
                     f"backend='cpu:gloo,{mesh.device_type}:{backend}', or turn cpu_offload off",

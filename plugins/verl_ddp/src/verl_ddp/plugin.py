@@ -18,6 +18,7 @@ def verl_engine_backends() -> list[EngineBackend]:
             config="verl_ddp.config:DDPConfig",
             roles=("lm", "value"),
             devices=("cpu", "cuda"),
+            api_version=1,  # the engine API this engine implements: a core speaking another refuses it
             description="torch DistributedDataParallel: full replicas, gloo on CPU, NCCL on GPU",
         )
     ]

@@ -1,0 +1,149 @@
+"""``HFEngine``: what every engine that owns a Hugging Face model and a ``torch.optim`` optimiser shares.
+
+A backend built on it supplies its parallel layout and little else:
+
+- ``wrap_model(module)`` (required): lay the loaded model out over ``dp_group`` on ``self.device``
+  and return what runs forward (``DistributedDataParallel(module)``, the FSDP-sharded module, or
+  ``module`` itself);
+- ``no_sync()``: skip gradient synchronisation between micro-batches (default: nothing to skip);
+- ``move_model(device, parameters, gradients)``: offload and reload (default: ``move_module``);
+- ``full_tensor(tensor)``: a whole weight from what ``module.state_dict()`` holds (default: as is;
+  sharded engines gather);
+- ``save_checkpoint`` / ``load_checkpoint``: the backend's own checkpoint format.
+
+The rest is written once, here: construction state, ``initialize`` (optimiser config checked before
+the slow model load, AdamW and the LR schedule over the wrapped model's parameters, offload per
+config), ``set_model_mode``, ``forward_backward_batch`` through ``run_micro_batches``, the optimiser
+half of ``to``, ``get_per_tensor_param`` in Hugging Face order, and ``save_hf_model`` (rank 0 writes,
+every rank returns once the export exists). docs/engine.md walks through it with the DDP template.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from tensordict import TensorDict
+
+from verl_core.config.engine import EngineConfig
+from verl_core.engine.base import BaseEngine, ForwardBackwardResult, LossFn
+from verl_core.engine.device import move_module
+from verl_core.engine.hf import forward_micro_batch, load_hf_model, save_hf_model_from_params
+from verl_core.engine.loop import run_micro_batches
+from verl_core.engine.optim import (
+    TorchOptimizerSteps,
+    build_lr_scheduler,
+    build_optimizer,
+    move_optimizer_state,
+    validate_optim_config,
+)
+
+
+class HFEngine(TorchOptimizerSteps, BaseEngine):
+    """An engine over one Hugging Face model per rank (``lm`` or ``value`` role), AdamW, and
+    ``run_micro_batches``; subclass it and implement ``wrap_model`` and the checkpoint methods."""
+
+    def __init__(self, config: EngineConfig, role: str = "lm", *, config_path: str = "engine"):
+        super().__init__(config, role, config_path=config_path)
+        #: The Hugging Face model itself: its state dict has Hugging Face names.
+        self.module: torch.nn.Module | None = None
+        #: What runs forward: ``wrap_model``'s result.
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        #: Where the optimiser state lives now (the compute device, or the CPU when offloaded).
+        self.optimizer_device: torch.device = self.device
+
+    # -- the backend's part ----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def wrap_model(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Lay ``module`` (loaded on the CPU, in train mode) out over ``dp_group`` on ``self.device``;
+        return what runs forward. Called once, by ``initialize``, on every rank (a collective where
+        the wrapper's construction is one: DDP broadcasts rank 0's weights)."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Entered around every micro-batch but the step's last: accumulate gradients locally."""
+        return contextlib.nullcontext()
+
+    def move_model(self, device: torch.device, parameters: bool, gradients: bool) -> None:
+        """Move the model's parameters (and buffers) and/or gradients to ``device``, in place."""
+        move_module(self.module, device, parameters=parameters, gradients=gradients)
+
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole weight from a ``module.state_dict()`` value; replicated engines hold it already."""
+        return tensor
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def initialize(self) -> None:
+        if self.module is not None:
+            raise RuntimeError(f"{type(self).__name__}.initialize() was already called")
+        validate_optim_config(self.config.optim, f"{self.config_path}.optim")  # before the slow load
+        module = load_hf_model(
+            self.config.model, self.role, seed=self.config.seed, where=f"{self.config_path}.model"
+        )
+        self.model = self.wrap_model(module)
+        self.module = module
+        self.optimizer = build_optimizer(self.model.parameters(), self.config.optim)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, self.config.optim)
+        self.offload_per_config("cpu")
+
+    def set_model_mode(self, train: bool) -> None:
+        self._initialized().train(train)
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+        self._initialized()
+        target = torch.device(device)
+        if model or grad:
+            self.move_model(target, parameters=model, gradients=grad)
+        if optimizer:
+            move_optimizer_state(self.optimizer, target)
+            self.optimizer_device = target
+
+    # -- compute ---------------------------------------------------------------------------------
+
+    def forward_backward_batch(
+        self, batch: TensorDict, loss_fn: LossFn | None, forward_only: bool
+    ) -> ForwardBackwardResult:
+        self._initialized()
+        return run_micro_batches(
+            batch,
+            forward=lambda micro_batch: forward_micro_batch(self.model, micro_batch, self.role),
+            loss_fn=loss_fn,
+            forward_only=forward_only,
+            micro_batch_config=self.config.micro_batch,
+            dp_group=self.dp_group,
+            no_sync=self.no_sync,
+            device=self.device,
+        )
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight, whole, under its Hugging Face name, in state-dict order, one at a time.
+
+        On sharded engines each ``full_tensor`` is a collective: every rank iterates to the end.
+        """
+        for name, tensor in self._initialized().state_dict().items():
+            yield name, self.full_tensor(tensor.detach())
+
+    def save_hf_model(self, path: str) -> None:
+        save_hf_model_from_params(
+            self._initialized(),
+            self.get_per_tensor_param(),
+            path,
+            rank=self.dp_rank,
+            group=self.dp_group,
+            tokenizer_source=self.config.model.path,
+        )
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _initialized(self) -> torch.nn.Module:
+        """The Hugging Face model, or a clear error before ``initialize()``."""
+        if self.module is None:
+            raise RuntimeError(f"{type(self).__name__} is not initialised: call initialize() first")
+        return self.module

@@ -1,0 +1,88 @@
+"""The engine API-version gate fires for the plugins that exist: a core that speaks another version
+refuses the unchanged template plugin, naming both versions.
+
+The other core is this checkout's ``verl_core`` copied with ``ENGINE_API_VERSION`` changed, put
+first on ``PYTHONPATH`` in a subprocess; the template plugin (verl-ddp) is found through its real
+installed entry point, exactly as a user's upgraded core would find it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import verl_core
+from verl_core import ENGINE_API_VERSION
+
+pytest.importorskip("verl_ddp", reason="needs the template plugin: pip install -e plugins/verl_ddp")
+
+OTHER_VERSION = ENGINE_API_VERSION + 1
+
+
+def core_speaking(version: int, site: Path) -> Path:
+    """A copy of verl_core in ``site`` that speaks engine API ``version``."""
+    copy = site / "verl_core"
+    shutil.copytree(Path(verl_core.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    descriptors = copy / "descriptors.py"
+    source, count = re.subn(
+        r"^ENGINE_API_VERSION = \d+$", f"ENGINE_API_VERSION = {version}", descriptors.read_text(), flags=re.M
+    )
+    assert count == 1, "ENGINE_API_VERSION is no longer assigned in descriptors.py"
+    descriptors.write_text(source)
+    return site
+
+
+def test_a_core_speaking_another_version_refuses_the_unchanged_template_plugin(tmp_path: Path) -> None:
+    site = core_speaking(OTHER_VERSION, tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    env = {name: value for name, value in env.items() if not name.startswith("VERL_CORE_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "verl_core", "plugins", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    rows = {row["backend"]: row for row in json.loads(result.stdout) if row["backend"]}
+    assert rows["ddp"]["status"] == "incompatible", rows["ddp"]
+    message = rows["ddp"]["error"]
+    assert f"targets engine API version {ENGINE_API_VERSION}" in message
+    assert f"speaks engine API version {OTHER_VERSION}" in message
+    assert "Upgrade verl-ddp (pip install -U verl-ddp)" in message
+
+    probe = (
+        "from verl_core.errors import ApiVersionError\n"
+        "from verl_core.plugins import get_registry\n"
+        "try:\n"
+        "    get_registry().get('engine_backends', 'ddp')\n"
+        "except ApiVersionError as error:\n"
+        "    print(error)\n"
+    )
+    refused = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120, check=True
+    )
+    assert f"speaks engine API version {OTHER_VERSION}" in refused.stdout
+
+
+def test_the_same_copy_at_the_current_version_accepts_it(tmp_path: Path) -> None:
+    """The check above can fail only because of the version: the copied core is otherwise sound."""
+    site = core_speaking(ENGINE_API_VERSION, tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-m", "verl_core", "plugins", "--json"],
+        capture_output=True,
+        text=True,
+        env={name: value for name, value in env.items() if not name.startswith("VERL_CORE_")},
+        timeout=120,
+        check=True,
+    )
+    (ddp,) = [row for row in json.loads(result.stdout) if row["backend"] == "ddp"]
+    assert ddp["status"] == "ok", ddp

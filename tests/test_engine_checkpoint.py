@@ -120,3 +120,70 @@ def test_unreadable_marker_is_an_incomplete_checkpoint(tmp_path) -> None:
         CheckpointError, match=rf"incomplete checkpoint at {re.escape(str(tmp_path / 'ckpt'))}: cannot read"
     ):
         open_checkpoint(tmp_path / "ckpt")
+
+
+# -- what a checkpoint path can be instead of a checkpoint ----------------------------------------
+
+
+def test_a_file_given_as_checkpoint_says_so(tmp_path) -> None:
+    (tmp_path / "model.pt").write_text("")
+    with pytest.raises(CheckpointError, match=r"model\.pt is a file, not a checkpoint directory"):
+        open_checkpoint(tmp_path / "model.pt")
+
+
+def test_only_an_interrupted_save_says_so(tmp_path) -> None:
+    target = tmp_path / "ckpt"
+
+    with pytest.raises(Crash), atomic_checkpoint(target, global_step=1, backend="test") as staging:
+        (staging / "weights.txt").write_text("half")
+        raise Crash
+    assert (tmp_path / ".ckpt.saving").is_dir() and not target.exists()
+    with pytest.raises(CheckpointError) as caught:
+        open_checkpoint(target)
+    assert "only .ckpt.saving, the folder of a save that was interrupted before it completed" in str(
+        caught.value
+    )
+    assert "resume from an earlier checkpoint" in str(caught.value)
+
+
+# -- reading a checkpoint back: damage and mismatches name the checkpoint --------------------------
+
+
+def test_damaged_files_after_the_marker_name_the_checkpoint(tmp_path) -> None:
+    import torch
+
+    target = tmp_path / "ckpt"
+    with atomic_checkpoint(target, global_step=3, backend="test") as staging:
+        torch.save({"w": torch.zeros(4)}, staging / "model.pt")
+        torch.save({"w": torch.zeros(4)}, staging / "optimizer.pt")
+    directory, _ = open_checkpoint(target)
+    assert checkpoint.load_checkpoint_file(directory, "model.pt")["w"].shape == (4,)
+
+    (directory / "model.pt").unlink()
+    with pytest.raises(CheckpointError) as caught:
+        checkpoint.load_checkpoint_file(directory, "model.pt")
+    assert f"damaged checkpoint at {directory}" in str(caught.value) and "model.pt is missing" in str(
+        caught.value
+    )
+
+    data = (directory / "optimizer.pt").read_bytes()
+    (directory / "optimizer.pt").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"damaged checkpoint at .*a file cannot be read .*truncated"):
+        checkpoint.load_checkpoint_file(directory, "optimizer.pt")
+
+
+def test_a_checkpoint_of_another_model_names_the_checkpoint_and_the_model(tmp_path) -> None:
+    import torch
+
+    small, large = torch.nn.Linear(4, 4), torch.nn.Linear(8, 4)
+    with pytest.raises(CheckpointError) as caught:
+        checkpoint.load_model_state(
+            large, small.state_dict(), tmp_path / "ckpt", "actor.engine.model /models/big"
+        )
+    message = str(caught.value)
+    assert (
+        f"the checkpoint at {tmp_path / 'ckpt'} is of another model than actor.engine.model /models/big"
+        in message
+    )
+    assert "size mismatch for weight" in message
+    assert isinstance(caught.value.__cause__, RuntimeError)

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from verl_core.config.engine import ModelConfig
 from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE
 from verl_core.engine.checkpoint import CheckpointError
+from verl_core.errors import ConfigError
 from verl_core.engine.hf import ENTROPY, LOG_PROBS, export_hf_model, forward_micro_batch, load_hf_model
 from verl_core.testing.tiny import collate, make_samples, save_tiny_models
 
@@ -164,3 +165,34 @@ def test_export_refuses_to_replace_a_directory_that_is_not_a_model(dirs, tmp_pat
     ):
         export_hf_model(model, tmp_path / "notes")
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+
+
+# -- model paths: local folders only, and every wrong path says what it is -------------------------
+
+
+def test_model_paths_that_are_not_model_folders_name_the_key_and_the_fix(tmp_path, monkeypatch) -> None:
+    (tmp_path / "weights.safetensors").write_text("")
+    (tmp_path / "empty").mkdir()
+    # A hub id must never reach the network: make any attempt fail loudly instead of hanging.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cases = {
+        str(tmp_path / "missing"): "does not exist (relative paths are relative to",
+        "Qwen/Qwen2-0.5B": "looks like a Hugging Face hub id, but models load from local folders only",
+        str(tmp_path / "weights.safetensors"): "is a file; give the model's folder",
+        str(tmp_path / "empty"): "is a folder without config.json, so it is not a Hugging Face model",
+    }
+    for path, problem in cases.items():
+        with pytest.raises(ConfigError) as caught:
+            load_hf_model(ModelConfig(path=path), where="actor.engine.model")
+        ((key, message),) = caught.value.errors
+        assert key == "actor.engine.model.path" and problem in message, message
+    with pytest.raises(ConfigError, match="hf download Qwen/Qwen2-0.5B --local-dir models/Qwen2-0.5B"):
+        load_hf_model(ModelConfig(path="Qwen/Qwen2-0.5B"))
+
+
+def test_a_hub_id_that_is_also_a_local_folder_loads_from_the_folder(dirs, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "tiny").symlink_to(dirs.lm)
+    model = load_hf_model(ModelConfig(path="org/tiny"))
+    assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(dirs.lm).config.vocab_size

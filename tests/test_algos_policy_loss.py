@@ -188,7 +188,7 @@ def ref_sapo(lp, olp, adv, cfg):
         tau = cfg.tau_pos if adv[i][t] > 0 else cfg.tau_neg
         gate = 4 / tau * torch.sigmoid(tau * (torch.exp(lp[i, t] - olp[i][t]) - 1))
         losses[i, t] = -adv[i][t] * gate
-    return aggregate(losses, cfg.loss_agg_mode)
+    return aggregate(losses, "seq-mean-token-mean")  # whatever loss_agg_mode says, as in verl
 
 
 CASES = [
@@ -209,6 +209,7 @@ CASES = [
     ("cispo", ref_cispo, TOKEN_ADV, {}),
     ("dro", ref_dro, TOKEN_ADV, {"dro_beta": 0.5}),
     ("sapo", ref_sapo, TOKEN_ADV, {"tau_pos": 1.0, "tau_neg": 1.5}),
+    ("sapo", ref_sapo, TOKEN_ADV, {"tau_pos": 1.0, "tau_neg": 1.5, "loss_agg_mode": "token-sum"}),
 ]
 
 
@@ -229,6 +230,42 @@ def test_loss_and_gradient_match_the_reference(name, reference, advantages, opti
     torch.testing.assert_close(grad, expected_grad)
     assert (grad[batch["response_mask"] == 0] == 0).all()
     assert all(isinstance(value, float) and math.isfinite(value) for value in metrics.values())
+
+
+@pytest.mark.parametrize(
+    "agg_mode", ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+)
+def test_sapo_always_averages_over_sequences_whatever_loss_agg_mode_says(agg_mode) -> None:
+    """verl's SAPO aggregates ``seq-mean-token-mean`` unconditionally. With one short response that
+    the policy should reinforce and one long response it should discourage, a token mean and a
+    sequence mean of the same per-token losses differ even in sign."""
+    mask = [[1, 0, 0, 0], [1, 1, 1, 1]]
+    log_ratio = [[0.1, 9.0, 9.0, 9.0], [0.0, -0.05, 0.2, 0.15]]  # 9: padding that must not leak
+    adv = [[1.0, 1.0, 1.0, 1.0], [-0.5, -0.5, -0.5, -0.5]]
+    tau_pos, tau_neg = 1.0, 1.05
+    token_losses: list[list[float]] = []
+    for i, row in enumerate(mask):
+        token_losses.append([])
+        for t, valid in enumerate(row):
+            if valid:
+                tau = tau_pos if adv[i][t] > 0 else tau_neg
+                gate = 4 / tau / (1 + math.exp(-tau * (math.exp(log_ratio[i][t]) - 1)))
+                token_losses[i].append(-adv[i][t] * gate)
+    seq_mean_token_mean = sum(sum(row) / len(row) for row in token_losses) / len(token_losses)
+    token_mean = sum(sum(row) for row in token_losses) / sum(len(row) for row in token_losses)
+    assert seq_mean_token_mean < 0 < token_mean  # the case tells the two apart
+
+    old_log_prob = torch.full((2, 4), -1.5, dtype=F64)
+    response_mask = torch.tensor(mask)
+    loss, _ = get_policy_loss("sapo", REGISTRY)(
+        old_log_prob=old_log_prob,
+        log_prob=old_log_prob + torch.tensor(log_ratio, dtype=F64),
+        advantages=torch.tensor(adv, dtype=F64),
+        response_mask=response_mask,
+        config=PolicyLossConfig(loss_mode="sapo", loss_agg_mode=agg_mode, tau_pos=tau_pos, tau_neg=tau_neg),
+        counts=counts_of(response_mask),
+    )
+    assert loss.item() == pytest.approx(seq_mean_token_mean, rel=1e-12)
 
 
 def test_vanilla_metrics_are_the_clip_fractions_and_k1_kl_of_the_micro_batch() -> None:

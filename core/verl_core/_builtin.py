@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from verl_core.algos import catalog
-from verl_core.descriptors import AdvantageEstimator, PolicyLoss
+from verl_core.descriptors import AdvantageEstimator, PolicyLoss, RewardFunction
 from verl_core.hookspecs import hookimpl
+from verl_core.reward import catalog as reward_catalog
 
 
 @hookimpl
@@ -15,3 +16,8 @@ def verl_advantage_estimators() -> list[AdvantageEstimator]:
 @hookimpl
 def verl_policy_losses() -> list[PolicyLoss]:
     return list(catalog.POLICY_LOSSES)
+
+
+@hookimpl
+def verl_reward_functions() -> list[RewardFunction]:
+    return list(reward_catalog.REWARD_FUNCTIONS)

@@ -53,3 +53,7 @@ class PluginWarning(UserWarning):
 
 class ConfigWarning(UserWarning):
     """A configuration value the run will ignore, or one that is probably not what was meant."""
+
+
+class RewardError(VerlCoreError):
+    """A reward function could not be loaded, or failed on a sample (the message names the sample)."""

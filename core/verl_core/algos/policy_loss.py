@@ -419,18 +419,29 @@ def compute_policy_loss_sapo(
     """SAPO: a smooth gate instead of hard clipping, ``-A * (4 / tau) * sigmoid(tau * (r - 1))``.
 
     ``tau = tau_pos`` where ``A > 0``, else ``tau_neg``. The gate's slope is 1 at ``r = 1`` (the plain
-    policy gradient on policy) and decays smoothly as the ratio moves away.
+    policy gradient on policy) and decays smoothly as the ratio moves away. Always aggregated
+    ``seq-mean-token-mean``, as verl does; ``loss_agg_mode`` is not used.
     """
     log_ratio = _log_ratio(log_prob, old_log_prob)
     ratio = log_ratio.exp()
-    tau = torch.where(advantages > 0, config.tau_pos, config.tau_neg).to(ratio.dtype)
+    # Tensors of the ratio's dtype: python scalars would make ``where`` round tau to float32.
+    tau = torch.where(advantages > 0, ratio.new_tensor(config.tau_pos), ratio.new_tensor(config.tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     pg_losses = -advantages * gate
     metrics = {
         "actor/sapo_gate_mean": masked_mean(gate.detach(), response_mask),
         "actor/ppo_kl": _ppo_kl(log_ratio, response_mask),
     }
-    return _finish(pg_losses, metrics, config, counts, response_mask, old_log_prob, rollout_log_probs)
+    return _finish(
+        pg_losses,
+        metrics,
+        config,
+        counts,
+        response_mask,
+        old_log_prob,
+        rollout_log_probs,
+        loss_agg_mode=SEQ_MEAN_TOKEN_MEAN,
+    )
 
 
 # -- the actor's total loss ----------------------------------------------------------------------

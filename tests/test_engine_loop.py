@@ -6,15 +6,10 @@ The reference is one plain PyTorch forward/backward over the whole batch in a si
 from __future__ import annotations
 
 import contextlib
-import datetime
-import faulthandler
-import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -23,6 +18,7 @@ from verl_core.config.engine import MicroBatchConfig
 from verl_core.data import batch as keys
 from verl_core.data.batch import get_global_counts
 from verl_core.engine.loop import run_micro_batches
+from verl_core.testing.spawn import Rank, SpawnError, spawn
 
 PROMPT = 2
 RESPONSE = 6
@@ -178,74 +174,46 @@ def test_backward_without_a_loss_function_is_refused() -> None:
 RANK_LENGTHS = ([6, 6, 5, 4], [1, 2, 1, 1])
 
 
-#: A rank still running after this many seconds dumps every thread's stack to its log and exits, so a
-#: hang fails the test with the place it hung (the parent's hard limit is a last resort).
-HANG_DUMP_S = 120
-
-
-def _two_rank_worker(rank: int, workdir: str) -> None:
-    torch.set_num_threads(1)
-    log = open(Path(workdir) / f"rank{rank}.log", "w")  # stays open until the process exits
-    faulthandler.dump_traceback_later(HANG_DUMP_S, exit=True, file=log)
-    # A file store: no port to collide with other jobs on the machine.
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(str(Path(workdir) / "store"), 2),
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
+def _two_rank_worker(rank: Rank) -> None:
+    full = toy_batch([*RANK_LENGTHS[0], *RANK_LENGTHS[1]])
+    expected_loss, expected_grads, expected_scores = reference(full)
+    share = full[rank.rank * 4 : (rank.rank + 1) * 4]
+    model = torch.nn.parallel.DistributedDataParallel(ToyScorer())
+    no_sync = CountingNoSync()
+    result = run_micro_batches(
+        share,
+        forward=lambda micro: model(micro[keys.RESPONSES]),
+        loss_fn=token_mean_loss,
+        forward_only=False,
+        micro_batch_config=MicroBatchConfig(use_dynamic_bsz=True, max_token_len=12),
+        dp_group=dist.group.WORLD,
+        no_sync=model.no_sync,
     )
-    try:
-        full = toy_batch([*RANK_LENGTHS[0], *RANK_LENGTHS[1]])
-        expected_loss, expected_grads, expected_scores = reference(full)
-        share = full[rank * 4 : (rank + 1) * 4]
-        model = torch.nn.parallel.DistributedDataParallel(ToyScorer())
-        no_sync = CountingNoSync()
-        result = run_micro_batches(
-            share,
+    assert len(result.metrics["tokens"]) == 4, result.metrics  # both ranks: the busiest rank's count
+    assert result.loss == pytest.approx(expected_loss, rel=1e-5)
+    for parameter, expected in zip(model.parameters(), expected_grads, strict=True):
+        torch.testing.assert_close(parameter.grad, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        result.outputs["log_probs"], expected_scores[rank.rank * 4 : (rank.rank + 1) * 4]
+    )
+
+    # A rank with fewer sequences than the group's micro-batch count: every rank refuses together.
+    uneven = full[:4] if rank.rank == 0 else full[4:5]
+    with pytest.raises(ValueError, match="a rank of the data-parallel group has 1 sequence"):
+        run_micro_batches(
+            uneven,
             forward=lambda micro: model(micro[keys.RESPONSES]),
             loss_fn=token_mean_loss,
-            forward_only=False,
+            forward_only=True,
             micro_batch_config=MicroBatchConfig(use_dynamic_bsz=True, max_token_len=12),
             dp_group=dist.group.WORLD,
-            no_sync=model.no_sync,
+            no_sync=no_sync,
         )
-        assert len(result.metrics["tokens"]) == 4, result.metrics  # both ranks: the busiest rank's count
-        assert result.loss == pytest.approx(expected_loss, rel=1e-5)
-        for parameter, expected in zip(model.parameters(), expected_grads, strict=True):
-            torch.testing.assert_close(parameter.grad, expected, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(result.outputs["log_probs"], expected_scores[rank * 4 : (rank + 1) * 4])
-
-        # A rank with fewer sequences than the group's micro-batch count: every rank refuses together.
-        uneven = full[:4] if rank == 0 else full[4:5]
-        with pytest.raises(ValueError, match="a rank of the data-parallel group has 1 sequence"):
-            run_micro_batches(
-                uneven,
-                forward=lambda micro: model(micro[keys.RESPONSES]),
-                loss_fn=token_mean_loss,
-                forward_only=True,
-                micro_batch_config=MicroBatchConfig(use_dynamic_bsz=True, max_token_len=12),
-                dp_group=dist.group.WORLD,
-                no_sync=no_sync,
-            )
-        dist.barrier()  # both ranks are done with collectives before either tears the group down
-    finally:
-        dist.destroy_process_group()
-        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.mark.distributed
 def test_two_ranks_with_unequal_tokens_match_the_single_process_reference(tmp_path) -> None:
-    context = mp.start_processes(
-        _two_rank_worker, args=(str(tmp_path),), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + HANG_DUMP_S + 60  # a hard limit: a hang must fail the test, not stall CI
     try:
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"the two ranks did not finish within {HANG_DUMP_S + 60} s")
-    except mp.ProcessExitedException as error:  # a rank's hang dump (or a crash): show where
-        logs = "\n".join(f"-- rank {rank}:\n{(tmp_path / f'rank{rank}.log').read_text()}" for rank in (0, 1))
-        pytest.fail(f"{error}\n{logs}")
+        spawn(_two_rank_worker, world_size=2, workdir=tmp_path, timeout_s=180)
+    except SpawnError as error:  # the ranks' tracebacks or, for a hang, their stacks
+        pytest.fail(str(error), pytrace=False)

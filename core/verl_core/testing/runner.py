@@ -8,11 +8,9 @@ crash or a hang (the whole spawn has a hard timeout) still reports what finished
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pickle
 import shutil
-import sys
 import tempfile
 import time
 import traceback
@@ -25,52 +23,13 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from verl_core.testing.report import CheckOutcome, ConformanceReport, RankRecord
+from verl_core.testing.spawn import COLLECTIVE_TIMEOUT_S, ModuleRef, Rank, SpawnError, spawn
 
 if TYPE_CHECKING:
     from verl_core.plugins import Registry
 
-#: How long one collective may wait for the other ranks before it fails (a hung engine).
-COLLECTIVE_TIMEOUT_S = 60.0
 #: Time the ranks get to exchange their check status before the run gives up on a silent rank.
 STATUS_TIMEOUT_S = 2 * COLLECTIVE_TIMEOUT_S
-
-
-@attrs.frozen
-class PluginModule:
-    """A plugin module for the spawned ranks: imported by ``name`` or, when that name is not
-    importable there (a test module under pytest's importlib import mode), loaded from ``file``."""
-
-    name: str
-    file: str | None = None
-
-    @classmethod
-    def of(cls, plugin: str | types.ModuleType) -> PluginModule:
-        if isinstance(plugin, str):
-            return cls(plugin)
-        if plugin.__name__ == "__main__":
-            raise ValueError(
-                "plugin module __main__ cannot be imported by the spawned ranks: move the hook "
-                "implementations into an importable module and pass it (or its name) in plugins="
-            )
-        return cls(plugin.__name__, getattr(plugin, "__file__", None))
-
-    def load(self) -> str | types.ModuleType:
-        """What ``Registry.from_plugins`` takes: the name (the registry imports it and reports
-        import errors) or, for a module only reachable by file, the module itself."""
-        if self.file is None or self.name in sys.modules or _importable(self.name):
-            return self.name
-        spec = importlib.util.spec_from_file_location(self.name, self.file)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[self.name] = module  # so that "name:Engine" import strings resolve
-        spec.loader.exec_module(module)
-        return module
-
-
-def _importable(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):  # a parent package that does not exist either
-        return False
 
 
 @attrs.frozen
@@ -80,7 +39,7 @@ class ConformanceJob:
     backend: str
     world_size: int
     options: Any
-    plugins: tuple[PluginModule, ...]
+    plugins: tuple[ModuleRef, ...]
     autoload: bool | None
     checks: tuple[str, ...]
     device: str
@@ -90,7 +49,12 @@ class ConformanceJob:
         """The registry the user would get: built-ins, entry points (per ``autoload``), ``plugins``."""
         from verl_core.plugins import Registry
 
-        return Registry.from_plugins([plugin.load() for plugin in self.plugins], autoload=self.autoload)
+        # By name where importable (the registry imports it and reports import errors), else the module.
+        plugins = [
+            plugin.name if plugin.file is None or plugin.importable() else plugin.load()
+            for plugin in self.plugins
+        ]
+        return Registry.from_plugins(plugins, autoload=self.autoload)
 
 
 def run_conformance(
@@ -122,7 +86,7 @@ def run_conformance(
     unknown = [name for name in selected if name not in CHECKS]
     if unknown:
         raise ValueError(f"unknown conformance check(s) {unknown}; the checks are {list(CHECKS)}")
-    plugin_modules = tuple(PluginModule.of(plugin) for plugin in plugins)
+    plugin_modules = tuple(ModuleRef.of(plugin) for plugin in plugins)
 
     with tempfile.TemporaryDirectory(prefix="verl-conformance-") as scratch:
         # The run's own folder, emptied first: a stale store file would confuse the rendezvous.
@@ -163,28 +127,25 @@ def resolve_backend(job: ConformanceJob) -> tuple[Any, Any, tuple[str, ...]]:
 
 def _spawn(job: ConformanceJob, timeout_s: float) -> str | None:
     """Run ``job`` on its ranks; return why the run broke (a rank crashed, the timeout), or None."""
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(
-        _rank_main, args=(job,), nprocs=job.world_size, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout_s
     try:
-        while not context.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                running = {rank: _running_check(job.workdir, rank) for rank in range(job.world_size)}
-                return (
-                    f"the run exceeded its timeout of {timeout_s:.0f} s and was killed; checks running "
-                    f"per rank: {running} (raise timeout_s if the machine is just slow)"
-                )
-        return None
-    except Exception as exc:  # ProcessRaisedException / ProcessExitedException: a rank died
-        return f"a rank failed outside the checks: {exc}"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-            process.join()
+        spawn(
+            _rank_main,
+            (job,),
+            world_size=job.world_size,
+            workdir=job.workdir,
+            timeout_s=timeout_s,
+            device=job.device,
+            collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+        )
+    except SpawnError as error:
+        if error.timed_out:
+            running = {rank: _running_check(job.workdir, rank) for rank in range(job.world_size)}
+            return (
+                f"the run exceeded its timeout of {timeout_s:.0f} s and was killed; checks running per rank: "
+                f"{running} (raise timeout_s if the machine is just slow). {error}"
+            )
+        return f"a rank failed outside the checks: {error}"
+    return None
 
 
 def _records_path(workdir: str, rank: int) -> Path:
@@ -210,33 +171,17 @@ def _running_check(workdir: str, rank: int) -> str | None:
 # -- the rank side ----------------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, job: ConformanceJob) -> None:
-    """Entry point of one spawned rank."""
+def _rank_main(rank: Rank, job: ConformanceJob) -> None:
+    """One spawned rank: the process group is up (``verl_core.testing.spawn``); run the checks."""
     import torch
-    import torch.distributed as dist
 
-    # With several ranks on few cores, intra-op threads oversubscribe the CPU (~100x slower).
-    torch.set_num_threads(1)
     _quiet_transformers()
-    store = dist.FileStore(str(Path(job.workdir) / "store"), job.world_size)
-    backend = "nccl" if job.device.startswith("cuda") else "gloo"
-    if backend == "nccl":
+    if job.device.startswith("cuda"):
         # Checkpoint and offload checks compare runs bitwise: CUDA's atomics-based kernels (the
         # embedding backward) would differ run to run. cuBLAS needs its workspace pinned for this.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=job.world_size,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
-    try:
-        _run_checks(rank, job, store)
-    finally:
-        dist.destroy_process_group()
+    _run_checks(rank.rank, job, rank.store)
 
 
 def _run_checks(rank: int, job: ConformanceJob, store: Any) -> None:

@@ -1,0 +1,255 @@
+"""Run a function on several processes that form one ``torch.distributed`` group, for tests.
+
+``spawn(function, args, world_size=2, workdir=..., timeout_s=...)`` starts one process per rank
+(gloo on CPU, NCCL on CUDA, rendezvous through a file store in ``workdir``, so no port can collide),
+calls ``function(rank, *args)`` in each with a ``Rank`` describing its place, and returns once every
+rank has finished. It is built so that a distributed test can fail but never hang or fail silently:
+
+- the whole run has a hard timeout; shortly before it, every rank dumps its Python stacks;
+- each rank's stdout, stderr, traceback and (on a crash) ``faulthandler`` stacks go to
+  ``workdir/rank<N>.log``, and a failure's ``SpawnError`` carries the tail of every failed or
+  unfinished rank's log, so the reason is in the test report, not only an exit code;
+- a rank that raises makes the others be killed at once (they may wait in a collective it never
+  joins);
+- ranks leave with ``os._exit`` after destroying the process group: torch 2.13 can deadlock when
+  Python frees a DDP reducer that holds the last reference to a gloo group at interpreter exit
+  (the group's destructor joins a worker thread that waits for the GIL).
+
+``function`` must be importable by name in a fresh process, or defined in a file that is (a test
+module loaded by pytest's ``importlib`` mode is found through its file).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import importlib.util
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+import types
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+#: How long one collective may wait for the other ranks before it fails.
+COLLECTIVE_TIMEOUT_S = 60.0
+#: How much of a failed or unfinished rank's log a ``SpawnError`` carries.
+LOG_TAIL_CHARS = 4000
+
+
+class SpawnError(RuntimeError):
+    """A rank failed or the run timed out. ``failed`` and ``unfinished`` list the ranks; the message
+    holds the tail of each one's log (its traceback, or its stacks at the timeout)."""
+
+    def __init__(self, message: str, failed: Sequence[int] = (), unfinished: Sequence[int] = ()):
+        super().__init__(message)
+        self.failed = list(failed)
+        self.unfinished = list(unfinished)
+
+    @property
+    def timed_out(self) -> bool:
+        return bool(self.unfinished)
+
+
+@attrs.frozen
+class Rank:
+    """What a spawned function learns about its place: the process group is already initialised."""
+
+    rank: int
+    world_size: int
+    #: The rendezvous store, for coordination outside collectives (``store.set`` / ``store.wait``).
+    store: Any
+    workdir: Path
+    #: ``cpu``, or ``cuda`` (then the current CUDA device is ``rank % device_count``).
+    device: str
+
+
+@attrs.frozen
+class ModuleRef:
+    """A module for a fresh process: imported by ``name``, or, when that name is not importable
+    there (a test module under pytest's ``importlib`` import mode), loaded from ``file``."""
+
+    name: str
+    file: str | None = None
+
+    @classmethod
+    def of(cls, module: str | types.ModuleType) -> ModuleRef:
+        if isinstance(module, str):
+            return cls(module)
+        if module.__name__ == "__main__":
+            raise ValueError(
+                "module __main__ cannot be imported by the spawned ranks: move what they need (hook "
+                "implementations, the function to run) into an importable module and pass that"
+            )
+        return cls(module.__name__, getattr(module, "__file__", None))
+
+    def importable(self) -> bool:
+        try:
+            return importlib.util.find_spec(self.name) is not None
+        except (ImportError, ValueError):  # a parent package that does not exist either
+            return False
+
+    def load(self) -> types.ModuleType:
+        if self.name in sys.modules:
+            return sys.modules[self.name]
+        if self.file is None or self.importable():
+            return importlib.import_module(self.name)
+        spec = importlib.util.spec_from_file_location(self.name, self.file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[self.name] = module  # so that "name:attribute" import strings resolve
+        spec.loader.exec_module(module)
+        return module
+
+
+@attrs.frozen
+class FunctionRef:
+    """A module-level function, by module and name, for a fresh process."""
+
+    module: ModuleRef
+    name: str
+
+    @classmethod
+    def of(cls, function: Callable[..., Any]) -> FunctionRef:
+        module = sys.modules[function.__module__]
+        if "<locals>" in function.__qualname__:
+            raise ValueError(f"{function.__qualname__} is a local function: spawn needs a module-level one")
+        return cls(ModuleRef.of(module), function.__qualname__)
+
+    def load(self) -> Callable[..., Any]:
+        return getattr(self.module.load(), self.name)
+
+
+def log_path(workdir: str | os.PathLike, rank: int) -> Path:
+    return Path(workdir) / f"rank{rank}.log"
+
+
+def spawn(
+    function: Callable[..., Any],
+    args: Sequence[Any] = (),
+    *,
+    world_size: int,
+    workdir: str | os.PathLike,
+    timeout_s: float,
+    device: str = "cpu",
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+) -> None:
+    """Run ``function(rank: Rank, *args)`` on ``world_size`` processes; raise ``SpawnError`` if a rank
+    fails or the run exceeds ``timeout_s`` (see the module docstring). ``workdir`` must be empty of
+    an earlier run's store (use a fresh folder per run)."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    target = FunctionRef.of(function)
+    context = multiprocessing.get_context("spawn")
+    processes = [
+        context.Process(
+            target=_rank_main,
+            args=(
+                rank,
+                world_size,
+                target,
+                tuple(args),
+                str(workdir),
+                device,
+                timeout_s,
+                collective_timeout_s,
+            ),
+            name=f"rank{rank}",
+        )
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(process.is_alive() for process in processes):
+            if any(process.exitcode not in (None, 0) for process in processes):
+                break  # the others may be waiting for it in a collective
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            wait([p.sentinel for p in processes if p.is_alive()], timeout=min(remaining, 1.0))
+    finally:
+        unfinished = [rank for rank, process in enumerate(processes) if process.is_alive()]
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+    failed = [rank for rank, process in enumerate(processes) if process.exitcode not in (0, None)]
+    failed = [rank for rank in failed if rank not in unfinished]
+    if not failed and not unfinished:
+        return
+    problems = []
+    if failed:
+        codes = ", ".join(f"rank {rank}: exit code {processes[rank].exitcode}" for rank in failed)
+        problems.append(f"rank(s) {failed} failed ({codes})")
+    if unfinished:
+        reason = (
+            "were killed after another rank failed" if failed else f"did not finish within {timeout_s:.0f} s"
+        )
+        problems.append(f"rank(s) {unfinished} {reason}")
+    tails = "\n".join(
+        f"--- rank {rank} ({log_path(workdir, rank)}):\n{_tail(log_path(workdir, rank))}"
+        for rank in failed + unfinished
+    )
+    raise SpawnError(f"{'; '.join(problems)}\n{tails}", failed, unfinished if not failed else [])
+
+
+def _tail(path: Path) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log: the process died before it started)"
+    return text[-LOG_TAIL_CHARS:] if text.strip() else "(empty log)"
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    target: FunctionRef,
+    args: tuple[Any, ...],
+    workdir: str,
+    device: str,
+    timeout_s: float,
+    collective_timeout_s: float,
+) -> None:
+    """One rank: log to a file, join the group, run the function, leave without interpreter teardown."""
+    log = open(log_path(workdir, rank), "a", buffering=1)  # noqa: SIM115 (open until os._exit)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    faulthandler.enable(file=log)
+    # Stacks just before the parent gives up, so that a hang shows where each rank waits.
+    faulthandler.dump_traceback_later(max(1.0, timeout_s - 3.0), file=log)
+    code = 1
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)  # ranks share few cores: oversubscription is ~100x slower
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        store = dist.FileStore(str(Path(workdir) / "store"), world_size)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=collective_timeout_s),
+        )
+        target.load()(Rank(rank, world_size, store, Path(workdir), device), *args)
+        dist.destroy_process_group()
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        log.flush()
+        os._exit(code)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from verl_core.algos import catalog
-from verl_core.descriptors import AdvantageEstimator, PolicyLoss, RewardFunction
+from verl_core.descriptors import AdvantageEstimator, PolicyLoss, RewardFunction, RolloutBackend
 from verl_core.hookspecs import hookimpl
 from verl_core.reward import catalog as reward_catalog
+from verl_core.rollout import catalog as rollout_catalog
 
 
 @hookimpl
@@ -21,3 +22,8 @@ def verl_policy_losses() -> list[PolicyLoss]:
 @hookimpl
 def verl_reward_functions() -> list[RewardFunction]:
     return list(reward_catalog.REWARD_FUNCTIONS)
+
+
+@hookimpl
+def verl_rollout_backends() -> list[RolloutBackend]:
+    return list(rollout_catalog.ROLLOUT_BACKENDS)

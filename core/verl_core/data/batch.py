@@ -75,6 +75,72 @@ def compute_global_counts(
     return GlobalCounts(num_tokens, num_seqs, dp_size, int(mask.shape[-1]))
 
 
+def join_prompts_and_responses(
+    prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor
+) -> TensorDict:
+    """The batch contract from left-padded ``prompts`` ``[B, P]`` and right-padded ``responses``
+    ``[B, R]`` with their masks (1 on real tokens): ``input_ids`` and ``attention_mask`` are the two
+    side by side, ``position_ids`` count real tokens only (padding repeats position 0)."""
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=-1).to(torch.int64)
+    return TensorDict(
+        {
+            INPUT_IDS: torch.cat([prompts, responses], dim=-1),
+            ATTENTION_MASK: attention_mask,
+            POSITION_IDS: (attention_mask.cumsum(dim=-1) - 1).clamp(min=0),
+            RESPONSES: responses,
+            RESPONSE_MASK: response_mask.to(torch.int64),
+        },
+        batch_size=[prompts.shape[0]],
+    )
+
+
+def left_pad(
+    sequences: list[list[int]] | list[torch.Tensor], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, max length]`` token ids padded on the left with ``pad_token_id``, and the mask of real tokens."""
+    width = max((len(sequence) for sequence in sequences), default=0)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros(len(sequences), width, dtype=torch.int64)
+    for row, sequence in enumerate(sequences):
+        if len(sequence):
+            ids[row, width - len(sequence) :] = torch.as_tensor(sequence, dtype=torch.int64)
+            mask[row, width - len(sequence) :] = 1
+    return ids, mask
+
+
+#: Keys of ``[B, P + R]`` tensors; every other 2-D tensor of a batch is ``[B, R]``.
+SEQUENCE_KEYS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)
+
+
+def concat_batches(batches: list[TensorDict], pad_token_id: int = 0) -> TensorDict:
+    """Batches of the contract with different prompt widths ``P`` and response widths ``R`` as one:
+    prompts left-padded and responses right-padded to the widest, ``position_ids`` recomputed.
+
+    ``[B, P + R]`` keys pad their prompt part on the left and response part on the right; other 2-D
+    tensors are ``[B, R]`` and pad on the right; 1-D tensors (per-sample values) concatenate as they
+    are. ``input_ids`` pad with ``pad_token_id``, everything else with 0.
+    """
+    if not batches:
+        raise ValueError("concat_batches needs at least one batch")
+    widths = [(b[INPUT_IDS].shape[-1] - b[RESPONSES].shape[-1], b[RESPONSES].shape[-1]) for b in batches]
+    prompt_width = max(p for p, _ in widths)
+    response_width = max(r for _, r in widths)
+    padded = []
+    for batch, (p, r) in zip(batches, widths, strict=True):
+        items = {}
+        for key, value in batch.items():
+            fill = pad_token_id if key in (INPUT_IDS, RESPONSES) else 0
+            if key in SEQUENCE_KEYS:
+                value = torch.nn.functional.pad(value, (prompt_width - p, response_width - r), value=fill)
+            elif value.dim() == 2:
+                value = torch.nn.functional.pad(value, (0, response_width - r), value=fill)
+            items[key] = value
+        padded.append(TensorDict(items, batch_size=batch.batch_size[:1]))
+    merged = torch.cat(padded, dim=0)
+    merged[POSITION_IDS] = (merged[ATTENTION_MASK].cumsum(dim=-1) - 1).clamp(min=0)
+    return merged
+
+
 def attach_global_counts(batch: TensorDict, counts: GlobalCounts) -> TensorDict:
     """Store ``counts`` on ``batch`` (survives ``split``, indexing and ``torch.cat``)."""
     batch.set_non_tensor(GLOBAL_COUNTS, counts)

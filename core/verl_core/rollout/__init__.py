@@ -1,0 +1,21 @@
+"""Rollouts: generation backends, a plugin kind like engines (``rollout.backend``).
+
+The contract is ``BaseRollout`` (``base``); core's built-in backend ``hf`` (``hf``: its own KV-cache
+decoding loop over a Hugging Face causal LM, options in ``config``) is registered through the
+``verl_rollout_backends`` hook like any plugin's, so vLLM or SGLang rollouts plug in the same way.
+Imports are lazy: listing plugins and loading a config import no torch.
+"""
+
+from verl_core.lazy import lazy_exports
+
+_EXPORTS = {
+    "BaseRollout": "verl_core.rollout.base",
+    "RolloutError": "verl_core.rollout.base",
+    "SamplingParams": "verl_core.rollout.base",
+    "ROLLOUT_LOG_PROBS": "verl_core.rollout.base",
+    "HFRollout": "verl_core.rollout.hf",
+    "HFRolloutConfig": "verl_core.rollout.config",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

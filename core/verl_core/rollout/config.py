@@ -1,0 +1,22 @@
+"""The options of core's built-in ``hf`` rollout (``rollout.hf`` in a run config).
+
+Light on purpose (attrs only, no torch): the config loader structures these options while a config
+loads, before any rollout is built.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from verl_core.config.validators import non_negative
+
+
+@attrs.define
+class HFRolloutConfig:
+    """How the built-in rollout decodes with its own copy of a Hugging Face causal LM."""
+
+    #: Sequences decoded together on each rank; 0 decodes a rank's whole share at once. Lower it to
+    #: bound the KV cache's memory (it grows with sequences x (prompt + response) tokens).
+    max_batch_size: int = attrs.field(default=0, validator=non_negative)
+    #: The attention kernel of the rollout's model (``sdpa`` or ``eager``).
+    attn_implementation: str = "sdpa"

@@ -1,0 +1,162 @@
+"""``HFRollout``: core's built-in rollout, a KV-cache decoding loop over a Hugging Face causal LM.
+
+The prompts of a batch are left-padded and prefilled in one forward pass; then each step feeds the
+batch's newest token with the cache, the attention mask grown by one column (0 for rows that have
+finished) and each row's next position. A row finishes at an EOS token (kept as the response's last
+token) or at ``max_new_tokens``; decoding stops once every row has finished. Responses come back
+right-padded to the longest one, with the log-probs of their tokens (see ``verl_core.rollout.base``).
+
+The rollout holds its own copy of the weights (in eval mode, no gradients) and takes the trained
+ones through ``update_weights``, checking every name and shape against its model.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Sequence
+
+import torch
+from tensordict import TensorDict
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from verl_core.data.batch import concat_batches, join_prompts_and_responses, left_pad
+from verl_core.engine.hf import DTYPES, check_model_dir
+from verl_core.plugins.messages import close_match
+from verl_core.rollout.base import ROLLOUT_LOG_PROBS, BaseRollout, RolloutError, SamplingParams
+from verl_core.rollout.config import HFRolloutConfig
+from verl_core.rollout.sampling import sample_next
+
+
+class HFRollout(BaseRollout):
+    """Generation with the rollout's own Hugging Face model on one rank."""
+
+    options_class = HFRolloutConfig
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.model: torch.nn.Module | None = None
+        #: False while the weights are those of no policy (an update that failed half-way).
+        self._consistent = True
+
+    def initialize(self) -> None:
+        if self.model is not None:
+            raise RuntimeError("HFRollout.initialize() was already called")
+        path = check_model_dir(self.model_config.path, f"{self.config_path}.model.path")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path),
+            dtype=DTYPES[self.model_config.dtype],
+            attn_implementation=self.options.attn_implementation,
+            trust_remote_code=self.model_config.trust_remote_code,
+            local_files_only=True,
+        )
+        model.requires_grad_(False)
+        self.model = model.eval().to(self.device)
+        # transformers 5.2x renamed ``past_key_values`` to ``cache``; older releases know only the former.
+        parameters = inspect.signature(type(model).forward).parameters
+        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, params: Iterable[tuple[str, torch.Tensor]]) -> None:
+        model = self._initialized()
+        expected = model.state_dict()
+        seen: set[str] = set()
+        self._consistent = False  # until every tensor has arrived
+        for name, tensor in params:
+            if name not in expected:
+                match = close_match(name, expected)
+                hint = f" (did you mean {match!r}?)" if match else ""
+                raise RolloutError(
+                    f"weight update: {name!r} is not a weight of the rollout's model{hint}; the engine must "
+                    "export Hugging Face names (get_per_tensor_param)"
+                )
+            target = expected[name]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise RolloutError(
+                    f"weight update: {name!r} has shape {list(tensor.shape)} but the rollout's model has "
+                    f"{list(target.shape)}; the engine must export full (unsharded) tensors"
+                )
+            target.copy_(tensor)
+            seen.add(name)
+        missing = [name for name in expected if name not in seen]
+        if missing:
+            raise RolloutError(
+                f"weight update: {len(missing)} weight(s) never arrived ({', '.join(missing[:5])}"
+                f"{', ...' if len(missing) > 5 else ''}); the rollout keeps refusing to generate until an "
+                "update sends every weight"
+            )
+        self._consistent = True
+
+    # -- generation ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> TensorDict:
+        self._initialized()
+        if not self._consistent:
+            raise RolloutError("the last weight update failed half-way: update the weights before generating")
+        if not prompts:
+            raise ValueError("generate() needs at least one prompt")
+        generator = torch.Generator(self.device).manual_seed(seed)
+        size = self.options.max_batch_size or len(prompts)
+        parts = [
+            self._generate(prompts[i : i + size], sampling, generator) for i in range(0, len(prompts), size)
+        ]
+        return concat_batches(parts, sampling.pad_token_id) if len(parts) > 1 else parts[0]
+
+    def _generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator: torch.Generator
+    ) -> TensorDict:
+        model = self.model
+        prompt_ids, prompt_mask = left_pad(list(prompts), sampling.pad_token_id)
+        batch = len(prompts)
+        device = self.device
+        input_ids, attention_mask = prompt_ids.to(device), prompt_mask.to(device)
+        positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+        eos = torch.tensor(sampling.eos_token_ids, device=device)
+
+        responses = torch.full((batch, sampling.max_new_tokens), sampling.pad_token_id, dtype=torch.int64)
+        log_probs = torch.zeros(batch, sampling.max_new_tokens)
+        response_mask = torch.zeros(batch, sampling.max_new_tokens, dtype=torch.int64)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        next_position = positions[:, -1] + 1
+        cache = DynamicCache()
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=True,
+            **{self._cache_argument: cache},
+            logits_to_keep=1,
+        ).logits[:, -1]
+        steps = 0
+        for step in range(sampling.max_new_tokens):
+            tokens, token_log_probs = sample_next(logits, sampling, generator)
+            active = ~finished
+            tokens = torch.where(active, tokens, sampling.pad_token_id)
+            responses[:, step] = tokens.cpu()
+            log_probs[:, step] = torch.where(active, token_log_probs, 0.0).cpu()
+            response_mask[:, step] = active.long().cpu()
+            steps = step + 1
+            finished = finished | (active & torch.isin(tokens, eos))
+            if bool(finished.all()) or steps == sampling.max_new_tokens:
+                break
+            attention_mask = torch.cat([attention_mask, active[:, None].long()], dim=-1)
+            logits = model(
+                input_ids=tokens[:, None],
+                attention_mask=attention_mask,
+                position_ids=next_position[:, None],
+                use_cache=True,
+                **{self._cache_argument: cache},
+            ).logits[:, -1]
+            next_position = next_position + 1
+        output = join_prompts_and_responses(
+            prompt_ids, prompt_mask, responses[:, :steps], response_mask[:, :steps]
+        )
+        output[ROLLOUT_LOG_PROBS] = log_probs[:, :steps]
+        return output
+
+    def _initialized(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RolloutError("HFRollout is not initialised: call initialize() first")
+        return self.model

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fixtures.fake_dist import backends_plugin, fake_distributions
@@ -286,3 +287,89 @@ def test_an_invalid_switch_fails_the_listing_with_exit_2(monkeypatch, capsys):
         monkeypatch.delenv(ENV_TRACE)
         get_registry(refresh=True)
     assert f"error: {ENV_TRACE}='sure' is not a boolean" in capsys.readouterr().err
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_tiny_ddp.yaml"
+
+
+@pytest.fixture
+def installed_plugins():
+    """The process-wide registry rediscovered: what is installed, without fake distributions that
+    earlier tests may have left in it."""
+    yield get_registry(refresh=True)
+    get_registry(refresh=True)
+
+
+def test_config_names_a_misspelt_estimator_and_the_close_match(installed_plugins, capsys):
+    assert main(["config", str(EXAMPLE), "algorithm.adv_estimator=gpro"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = [line for line in captured.err.splitlines() if line.startswith("  algorithm.adv_estimator: ")]
+    assert "Unknown advantage estimator 'gpro'" in line and "Did you mean 'grpo'?" in line
+    assert line.endswith("(from override 'algorithm.adv_estimator=gpro')")
+
+
+def test_config_of_the_example_fills_in_the_decay_length(installed_plugins, capsys):
+    import yaml
+
+    if "ddp" not in installed_plugins.names("engine_backends"):
+        pytest.skip("the ddp backend (plugins/verl_ddp) is not installed")
+    assert main(["config", str(EXAMPLE)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""  # no errors, no warnings
+    resolved = yaml.safe_load(captured.out)
+    assert (
+        resolved["actor"]["engine"]["optim"]["total_steps"]
+        == resolved["trainer"]["total_training_steps"]
+        == 20
+    )
+
+
+def test_config_prints_a_warning_per_ignored_option_and_exits_0(run_yaml, capsys):
+    import yaml
+
+    ref = "ref.engine={backend: fakeeng, model: {path: /models/ref}}"
+    assert main(["config", str(run_yaml), "rollout.n=2", "trainer.resume_from_path=/ckpt", "-o", ref]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        "warning: trainer.resume_from_path: ignored: resume_mode is 'auto'; set trainer.resume_mode=resume_path "
+        "to resume from this checkpoint, or remove it (from override 'trainer.resume_from_path=/ckpt')",
+        "warning: ref.engine: ignored: no KL term is on (actor.policy_loss.use_kl_loss and "
+        "algorithm.use_kl_in_reward are false), so no reference policy runs; turn one on, or remove "
+        f"ref.engine (from override '{ref}')",
+    ]
+    assert yaml.safe_load(captured.out)["trainer"]["resume_from_path"] == "/ckpt"  # still printed
+
+
+def test_config_says_an_item_that_looks_like_a_key_is_an_override_missing_equals(run_yaml, capsys):
+    assert main(["config", str(run_yaml), "actor.engine.optim.lr", "rollout.n"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        "2 error(s) in the configuration in overrides:",
+        "  'actor.engine.optim.lr' is not a file and looks like an override missing '=': write key=value "
+        "(actor.engine.optim.lr=VALUE)",
+        "  'rollout.n' is not a file and looks like an override missing '=': write key=value (rollout.n=VALUE)",
+    ]
+
+
+def test_config_reads_a_file_named_like_a_key_and_reports_a_missing_yaml_file(
+    run_yaml, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rollout.n").write_text("rollout: {n: 6}\n")
+    assert main(["config", str(run_yaml), "rollout.n"]) == 0  # an existing file is a file
+    assert "  n: 6\n" in capsys.readouterr().out
+    assert main(["config", "trainer.yaml"]) == 2
+    assert (
+        "trainer.yaml:\n  cannot read the config file: No such file or directory" in capsys.readouterr().err
+    )
+
+
+def test_config_names_a_file_that_is_not_utf_8(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"data: {prompt_key: \xff}\n")
+    assert main(["config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"1 error(s) in the configuration in {path}:" in err
+    assert "not UTF-8 text: byte 0xff at offset 19" in err and "save the file as UTF-8" in err

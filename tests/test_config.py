@@ -1,7 +1,9 @@
 """Loading run configs: YAML files, dotted overrides, backend options, and the errors they report.
 
 Every error test asserts the full dotted path and the words that tell the user the fix. The round
-trip properties over generated configs are in test_config_roundtrip.py.
+trip properties over generated configs are in test_config_roundtrip.py; the lookup of each
+component name (estimators, losses, KL estimators, devices, rollouts, rewards) in
+test_config_names.py.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import sys
 import textwrap
 import threading
 import typing
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
@@ -36,6 +39,7 @@ from verl_core.config import (
     OptimConfig,
     PolicyLossConfig,
     RefConfig,
+    RewardConfig,
     RolloutConfig,
     RunConfig,
     TrainerConfig,
@@ -47,7 +51,7 @@ from verl_core.config import (
 )
 from verl_core.config.algorithm import LossAggMode
 from verl_core.config.validators import InvalidValue
-from verl_core.errors import ConfigError
+from verl_core.errors import ConfigError, ConfigWarning
 from verl_core.plugins import Registry, get_registry
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,24 +137,25 @@ def test_absent_options_section_gives_the_backend_defaults(tmp_path):
 
 def test_overrides_set_scalars_null_lists_items_and_new_sections(tmp_path):
     base = VALID + "trainer: {total_training_steps: 5, resume_from_path: /ckpt}\n"
-    config = load(
-        tmp_path,
-        base,
-        [
-            "actor.engine.optim.lr=3e-4",
-            "rollout.temperature=0.7",
-            "data.shuffle=false",
-            "trainer.total_training_steps=null",
-            "trainer.resume_from_path=",
-            "trainer.logger=[console, jsonl]",
-            "data.train_files[0]=c.jsonl",
-            "data.train_files[2]=d.jsonl",
-            "data.val_files[0]=v.jsonl",
-            "ref.engine={backend: other, model: {path: /models/ref}}",
-            "actor.engine.toy.mode=async",
-            "actor.engine.model.path=/models/x=y",  # only the first '=' separates key and value
-        ],
-    )
+    with pytest.warns(ConfigWarning, match=r"^ref\.engine: ignored: no KL term is on"):
+        config = load(
+            tmp_path,
+            base,
+            [
+                "actor.engine.optim.lr=3e-4",
+                "rollout.temperature=0.7",
+                "data.shuffle=false",
+                "trainer.total_training_steps=null",
+                "trainer.resume_from_path=",
+                "trainer.logger=[console, jsonl]",
+                "data.train_files[0]=c.jsonl",
+                "data.train_files[2]=d.jsonl",
+                "data.val_files[0]=v.jsonl",
+                "ref.engine={backend: other, model: {path: /models/ref}}",
+                "actor.engine.toy.mode=async",
+                "actor.engine.model.path=/models/x=y",  # only the first '=' separates key and value
+            ],
+        )
     assert config.actor.engine.optim.lr == 3e-4
     assert config.rollout.temperature == 0.7
     assert config.data.shuffle is False
@@ -183,7 +188,8 @@ def test_later_files_merge_mappings_and_replace_lists(tmp_path):
 
 def test_yaml_aliases_are_copies_that_overrides_change_one_at_a_time(tmp_path):
     text = VALID.replace("  engine:\n", "  engine: &engine\n") + "ref: {engine: *engine}\n"
-    config = load(tmp_path, text, ["ref.engine.optim.lr=0.5"])
+    with pytest.warns(ConfigWarning, match=r"^ref\.engine: ignored: no KL term is on"):
+        config = load(tmp_path, text, ["ref.engine.optim.lr=0.5"])
     assert config.ref.engine == attrs.evolve(config.actor.engine, optim=OptimConfig(lr=0.5))
     assert config.actor.engine.optim.lr == 1e-5
 
@@ -192,8 +198,15 @@ def test_one_override_switches_backend_and_sections_of_other_installed_backends_
     text = VALID.replace(
         "    toy: {bucket_cap_mb: 10}\n", "    toy: {bucket_cap_mb: 10}\n    other: {shards: 4}\n"
     )
-    assert load(tmp_path, text).actor.engine.options == ToyOptions(bucket_cap_mb=10)
-    switched = load(tmp_path, text, ["actor.engine.backend=other"])
+    # Accepted, and not silently: the run ignores the other backend's section.
+    with pytest.warns(
+        ConfigWarning, match=r"^actor\.engine\.other: ignored: actor\.engine\.backend is 'toy'"
+    ):
+        assert load(tmp_path, text).actor.engine.options == ToyOptions(bucket_cap_mb=10)
+    with pytest.warns(
+        ConfigWarning, match=r"^actor\.engine\.toy: ignored: actor\.engine\.backend is 'other'"
+    ):
+        switched = load(tmp_path, text, ["actor.engine.backend=other"])
     assert switched.actor.engine.options == OtherOptions(shards=4)
     data = unstructure(switched.actor.engine)
     assert list(data)[:2] == ["backend", "other"] and "toy" not in data and "options" not in data
@@ -273,9 +286,10 @@ def test_missing_required_key(tmp_path):
     assert errors == {
         "actor.engine.model.path": "required key is missing: set it in the YAML file or with an override"
     }
-    assert errors_of(tmp_path, "data: {seed: 1}\n") == {
-        "actor": "required key is missing: set it in the YAML file or with an override"
-    }
+    errors = errors_of(tmp_path, "data: {seed: 1}\n")
+    assert errors.pop("actor") == "required key is missing: set it in the YAML file or with an override"
+    # Without an actor, the rules that need none still run: the default estimator needs a critic.
+    assert list(errors) == ["critic.enable"]
 
 
 def test_bad_literal_lists_the_allowed_values(tmp_path):
@@ -328,9 +342,10 @@ def test_section_named_like_no_installed_backend_is_an_unknown_key(tmp_path):
 
 def test_backend_options_are_validated_at_their_path(tmp_path):
     errors = errors_of(tmp_path, overrides=["actor.engine.toy={bucket_cap_mb: 0, mode: fast}"])
-    assert errors == {
-        "actor.engine.toy.mode": "expected one of 'sync', 'async'; got 'fast' "
-        "(from override 'actor.engine.toy={bucket_cap_mb: 0, mode: fast}')"
+    origin = " (from override 'actor.engine.toy={bucket_cap_mb: 0, mode: fast}')"
+    assert errors == {  # the fields that structured are validated too: one run reports both
+        "actor.engine.toy.mode": "expected one of 'sync', 'async'; got 'fast'" + origin,
+        "actor.engine.toy.bucket_cap_mb": "'bucket_cap_mb' must be > 0: 0" + origin,
     }
     errors = errors_of(tmp_path, overrides=["actor.engine.toy.bucket_cap_mb=0", "actor.engine.other=3"])
     assert errors == {  # attrs' own validator message; the section of another backend is not checked
@@ -357,6 +372,7 @@ def test_range_and_cross_field_rules_are_all_reported_with_paths(tmp_path):
         ],
     )
     origin = " (from override '{}')".format
+    # Rules across sections run together with everything else, on the values that are valid.
     assert errors == {
         "actor.policy_loss.clip_ratio_c": "must be > 1, got 0.5"
         + origin("actor.policy_loss.clip_ratio_c=0.5"),
@@ -366,10 +382,6 @@ def test_range_and_cross_field_rules_are_all_reported_with_paths(tmp_path):
         + origin("actor.engine.optim.betas=[0.9, 1.0]"),
         "critic.engine": "required when critic.enable is true: give it backend and model like actor.engine",
         "trainer.resume_from_path": "required when resume_mode is 'resume_path': set the checkpoint to resume",
-    }
-    # Rules across sections run once every section is valid.
-    errors = errors_of(tmp_path, overrides=["actor.ppo_mini_batch_size=3", "rollout.n=1"])
-    assert errors == {
         "actor.ppo_mini_batch_size": "must divide data.train_batch_size (8) into whole mini-batches, got 3"
         + origin("actor.ppo_mini_batch_size=3"),
         "rollout.n": "adv_estimator 'grpo' compares the responses to each prompt: set rollout.n >= 2"
@@ -443,8 +455,11 @@ def test_malformed_overrides_are_all_named(tmp_path):
         )
     assert caught.value.source == "overrides"
     assert caught.value.errors == [
-        ("", "override 'actor.optim.lr' has no '=': write key=value, e.g. actor.optim.lr=1e-5"),
-        ("", "override 'a..b=1': 'a..b' is not a dotted key such as actor.optim.lr or data.train_files[0]"),
+        ("", "override 'actor.optim.lr' has no '=': write key=value, e.g. actor.engine.optim.lr=1e-5"),
+        (
+            "",
+            "override 'a..b=1': 'a..b' is not a dotted key such as actor.engine.optim.lr or data.train_files[0]",
+        ),
         (
             "",
             "override 'x=[1,': the value is not valid YAML (YAML syntax error at line 1, column 4: expected "
@@ -464,6 +479,268 @@ def test_override_with_an_unknown_path_names_the_override(tmp_path):
         "actor.engine.modle": "unknown key (did you mean model?) (from override 'actor.engine.modle.path=/m')",
         "trainer.total_epoch": "unknown key (did you mean total_epochs?) (from override 'trainer.total_epoch=2')",
     }
+
+
+# -- names: every one resolved while the config loads ------------------------------------------------
+
+
+def test_an_unknown_estimator_is_named_at_its_key_with_the_close_match(tmp_path):
+    errors = errors_of(tmp_path, overrides=["algorithm.adv_estimator=gpro"])
+    message = errors.pop("algorithm.adv_estimator")
+    assert errors == {}  # the rules that need the estimator are skipped, not run on a guess
+    assert message.startswith("Unknown advantage estimator 'gpro'. Installed advantage estimators: gae ")
+    assert "Did you mean 'grpo'?" in message and "\n" not in message
+    assert message.endswith("(from override 'algorithm.adv_estimator=gpro')")
+
+
+def test_every_named_component_of_a_file_is_looked_up_at_its_key(tmp_path):
+    text = (
+        VALID.replace(
+            "  ppo_mini_batch_size: 4\n", "  ppo_mini_batch_size: 4\n  policy_loss: {loss_mode: vanila}\n"
+        )
+        .replace("    model: {path: /models/tiny}\n", "    model: {path: /models/tiny}\n    device: gpu\n")
+        .replace("algorithm: {adv_estimator: grpo}", "algorithm: {adv_estimator: grpo, kl_penalty: k4}")
+        .replace("rollout: {n: 2}", "rollout: {n: 2, backend: hff}")
+    ) + "reward: {function: exact_mach}\n"
+    errors = errors_of(tmp_path, text, ["actor.policy_loss.kl_loss_type=lowvar_kl"])
+    assert set(errors) == {
+        "actor.policy_loss.loss_mode",
+        "actor.policy_loss.kl_loss_type",
+        "actor.engine.device",
+        "algorithm.kl_penalty",
+        "rollout.backend",
+        "reward.function",
+    }
+    assert "Did you mean 'vanilla'?" in errors["actor.policy_loss.loss_mode"]
+    assert "(did you mean 'low_var_kl'?)" in errors["actor.policy_loss.kl_loss_type"]
+    assert errors["actor.engine.device"].endswith("use one of auto, cpu, cuda, cuda:N, npu, xpu, mps")
+    assert errors["algorithm.kl_penalty"].startswith("unknown KL estimator 'k4'")
+    assert (
+        "Unknown rollout backend 'hff'" in errors["rollout.backend"]
+        and "Did you mean 'hf'?" in errors["rollout.backend"]
+    )
+    assert "Did you mean 'exact_match'?" in errors["reward.function"]
+    assert all("\n" not in message for message in errors.values())
+
+
+def test_the_defaults_resolve_to_core_builtins(tmp_path):
+    config = load(tmp_path)
+    assert (config.rollout.backend, config.reward) == ("hf", RewardConfig("exact_match", "fail"))
+    assert type(config.rollout.options).__name__ == "HFRolloutConfig"
+
+
+# -- rules across sections: they run on what structured ----------------------------------------------
+
+
+def test_rules_across_sections_run_when_another_section_has_errors(tmp_path):
+    errors = errors_of(
+        tmp_path, overrides=["data.seed=x", "actor.ppo_mini_batch_size=3", "algorithm.gamma=2"]
+    )
+    origin = " (from override '{}')".format
+    assert errors == {
+        "data.seed": "expected int, got 'x'" + origin("data.seed=x"),
+        "algorithm.gamma": "must be in [0, 1], got 2.0" + origin("algorithm.gamma=2"),
+        "actor.ppo_mini_batch_size": "must divide data.train_batch_size (8) into whole mini-batches, got 3"
+        + origin("actor.ppo_mini_batch_size=3"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        # A rule reading a value with an error of its own is skipped (no division by zero, no
+        # second message at the same key): that value's error says what to fix.
+        (["data.train_batch_size=0", "actor.ppo_mini_batch_size=3"], {"data.train_batch_size"}),
+        (["actor.ppo_mini_batch_size=0"], {"actor.ppo_mini_batch_size"}),
+        (["rollout.n=0"], {"rollout.n"}),
+        (["algorithm.adv_estimator=gea"], {"algorithm.adv_estimator"}),  # no "gae needs a critic"
+        (["critic=5", "algorithm.adv_estimator=gae"], {"critic"}),
+        # A section that did not structure at all: the rules that need it are skipped, the others run.
+        (["actor=5", "rollout.n=1"], {"actor", "rollout.n"}),
+        (["actor.engine.backend=nope", "rollout.n=1"], {"actor.engine.backend", "rollout.n"}),
+    ],
+)
+def test_a_rule_whose_inputs_have_errors_is_skipped(tmp_path, overrides, expected):
+    assert set(errors_of(tmp_path, overrides=overrides)) == expected
+
+
+def test_a_rule_that_reads_a_field_which_does_not_exist_is_still_an_error():
+    @attrs.define
+    class Typo:
+        size: int = 1
+
+        def check(self):
+            if self.sise > 1:  # a bug in the rule, not an unstructured input: it must not be hidden
+                yield "size", "too big"
+
+    with pytest.raises(ConfigError) as caught:
+        structure({"size": 2}, Typo)
+    assert caught.value.errors == [("", "AttributeError: 'Typo' object has no attribute 'sise'")]
+
+
+# -- floats are finite -------------------------------------------------------------------------------
+
+
+def test_infinite_and_nan_floats_are_refused_at_their_key(tmp_path):
+    overrides = [
+        "actor.engine.optim.lr=.inf",
+        "actor.engine.optim.betas=[0.9, .nan]",
+        "rollout.temperature=.NaN",
+        "algorithm.kl_ctrl.kl_coef=-.inf",
+        "actor.policy_loss.clip_ratio_high=.inf",
+    ]
+    errors = errors_of(tmp_path, overrides=overrides)
+    origin = " (from override '{}')".format
+    assert errors == {
+        "actor.engine.optim.lr": "expected a finite float, got inf" + origin(overrides[0]),
+        "actor.engine.optim.betas[1]": "expected a finite float, got nan" + origin(overrides[1]),
+        "rollout.temperature": "expected a finite float, got nan" + origin(overrides[2]),
+        "algorithm.kl_ctrl.kl_coef": "expected a finite float, got -inf" + origin(overrides[3]),
+        "actor.policy_loss.clip_ratio_high": "expected a finite float, got inf" + origin(overrides[4]),
+    }
+    assert errors_of(tmp_path, VALID.replace("lr: 1e-5", "lr: .inf")) == {
+        "actor.engine.optim.lr": "expected a finite float, got inf"
+    }
+    too_large = errors_of(tmp_path, overrides=["actor.engine.optim.lr=" + "9" * 400])
+    assert too_large["actor.engine.optim.lr"].startswith("expected a finite float, got 999")
+
+
+# -- options the run will ignore ---------------------------------------------------------------------
+
+
+def test_options_the_run_ignores_warn_at_their_key_with_where_they_were_set(tmp_path):
+    overrides = [
+        "trainer.resume_from_path=/ckpt/step_10",
+        "actor.engine.other={shards: 2}",
+        "ref.engine={backend: toy, model: {path: /models/ref}}",
+        "critic.engine={backend: other, model: {path: /models/critic}}",
+    ]
+    with pytest.warns(ConfigWarning) as caught:
+        config = load(tmp_path, overrides=overrides)
+    assert config.actor.engine.options == ToyOptions(bucket_cap_mb=10)  # still loads
+    origin = " (from override '{}')".format
+    assert sorted(str(warning.message) for warning in caught) == sorted(
+        [
+            "trainer.resume_from_path: ignored: resume_mode is 'auto'; set trainer.resume_mode=resume_path "
+            "to resume from this checkpoint, or remove it" + origin(overrides[0]),
+            "actor.engine.other: ignored: actor.engine.backend is 'toy'; the options of backend 'other' "
+            "apply once actor.engine.backend=other" + origin(overrides[1]),
+            "ref.engine: ignored: no KL term is on (actor.policy_loss.use_kl_loss and "
+            "algorithm.use_kl_in_reward are false), so no reference policy runs; turn one on, or remove "
+            "ref.engine" + origin(overrides[2]),
+            "critic.engine: ignored: critic.enable is false, so no critic is trained; set "
+            "critic.enable=true to train one, or remove critic.engine" + origin(overrides[3]),
+        ]
+    )
+    assert all(warning.category is ConfigWarning for warning in caught)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpt"],
+        ["ref.engine={backend: toy, model: {path: /ref}}", "actor.policy_loss.use_kl_loss=true"],
+        ["ref.engine={backend: toy, model: {path: /ref}}", "algorithm.use_kl_in_reward=true"],
+        ["critic.enable=true", "critic.engine={backend: toy, model: {path: /critic}}"],
+    ],
+)
+def test_options_the_run_uses_do_not_warn(tmp_path, overrides):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        load(tmp_path, overrides=overrides)
+
+
+def test_a_config_with_errors_reports_the_errors_only(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        errors = errors_of(tmp_path, overrides=["trainer.resume_from_path=/ckpt", "rollout.n=0"])
+    assert list(errors) == ["rollout.n"]
+
+
+def test_structure_warns_about_another_backends_section_too():
+    data = {"backend": "toy", "other": {"shards": 2}, "model": {"path": "/m"}}
+    with pytest.warns(
+        ConfigWarning, match=r"^actor\.engine\.other: ignored: actor\.engine\.backend is 'toy'"
+    ):
+        structure(data, EngineConfig, "actor.engine", registry=REGISTRY)
+
+
+# -- the decay length: from the run length ------------------------------------------------------------
+
+
+def test_total_steps_0_of_a_decaying_schedule_is_the_run_length(tmp_path):
+    overrides = [
+        "actor.engine.optim.lr_scheduler=cosine",
+        "trainer.total_training_steps=30",
+        "actor.policy_loss.use_kl_loss=true",
+        "ref.engine={backend: toy, model: {path: /ref}, optim: {lr_scheduler: linear, lr_warmup_steps: 3}}",
+        "critic.enable=true",
+        "critic.engine={backend: toy, model: {path: /critic}, optim: {lr_scheduler: linear, total_steps: 50}}",
+    ]
+    config = load(tmp_path, overrides=overrides)
+    assert config.actor.engine.optim.total_steps == 30
+    assert config.ref.engine.optim.total_steps == 30
+    assert config.critic.engine.optim.total_steps == 50  # set: kept
+    dumped = write(tmp_path, "dumped.yaml", dump_yaml(config))
+    assert load_config([dumped], registry=REGISTRY) == config  # what is printed is what runs
+    constant = load(tmp_path, overrides=["trainer.total_training_steps=30"])
+    assert constant.actor.engine.optim.total_steps == 0  # nothing decays
+    by_epochs = load(tmp_path, overrides=["actor.engine.optim.lr_scheduler=cosine"])
+    assert by_epochs.actor.engine.optim.total_steps == 0  # the trainer fills it in from the dataset
+
+
+def test_a_decay_must_outlast_the_warmup(tmp_path):
+    warmup = ["actor.engine.optim.lr_scheduler=linear", "actor.engine.optim.lr_warmup_steps=40"]
+    errors = errors_of(tmp_path, overrides=[*warmup, "trainer.total_training_steps=30"])
+    assert errors == {
+        "actor.engine.optim.total_steps": "must exceed lr_warmup_steps (40): lr_scheduler 'linear' decays "
+        "after the warmup until total_steps, got 30, filled in from trainer.total_training_steps for "
+        "total_steps: 0"
+    }
+    errors = errors_of(tmp_path, overrides=[*warmup, "actor.engine.optim.total_steps=40"])
+    assert errors == {
+        "actor.engine.optim.total_steps": "must exceed lr_warmup_steps (40): lr_scheduler 'linear' decays "
+        "after the warmup until total_steps, got 40 (from override 'actor.engine.optim.total_steps=40')"
+    }
+
+
+# -- inputs that are not what they look like ----------------------------------------------------------
+
+
+def test_a_file_that_is_not_utf_8_names_the_byte(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(VALID.encode() + "data: {prompt_key: café}\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as caught:
+        load_config([path], registry=REGISTRY)
+    assert caught.value.source == str(path)
+    offset = len(VALID.encode()) + len(b"data: {prompt_key: caf")
+    assert caught.value.errors == [
+        (
+            "",
+            f"the config file is not UTF-8 text: byte 0xe9 at offset {offset} is not valid UTF-8 "
+            "(invalid continuation byte); save the file as UTF-8",
+        )
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("actor.engine.optim.lr", True),
+        ("trainer.total_training_steps", True),
+        ("data.train_files[0]", True),
+        ("rollout", True),
+        ("run.yaml", False),
+        ("trainer.yaml", False),
+        ("configs/actor.engine", False),
+        ("my.settings", False),
+    ],
+)
+def test_what_looks_like_a_key_where_a_file_was_expected(text, key):
+    from verl_core.config.loading import looks_like_key
+
+    assert looks_like_key(text) is key
 
 
 # -- the classes themselves ------------------------------------------------------------------------
@@ -540,6 +817,7 @@ def test_docs_list_every_key_with_its_default():
         "critic": CriticConfig,
         "critic.loss": CriticLossConfig,
         "rollout": RolloutConfig,
+        "reward": RewardConfig,
         "algorithm": AlgorithmConfig,
         "algorithm.kl_ctrl": KLControlConfig,
         "data": DataConfig,
@@ -565,10 +843,26 @@ def test_example_grpo_config_loads_with_the_installed_ddp_backend():
     registry = get_registry()
     if "ddp" not in registry.names("engine_backends"):
         pytest.skip("the ddp backend (plugins/verl_ddp) is not installed")
-    config = load_config([REPO / "examples" / "grpo_tiny_ddp.yaml"], registry=registry)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)  # the example sets nothing the run ignores
+        config = load_config([REPO / "examples" / "grpo_tiny_ddp.yaml"], registry=registry)
     assert config.actor.engine.backend == "ddp"
     assert type(config.actor.engine.options).__name__ == "DDPConfig"
     assert config.algorithm.adv_estimator == "grpo" and config.rollout.n >= 2
     assert load_config([REPO / "examples" / "grpo_tiny_ddp.yaml"], registry=registry) == structure(
         unstructure(config), RunConfig, registry=registry
     )
+
+
+def test_example_grpo_config_builds_an_optimiser_schedule():
+    """Its cosine schedule decays over ``total_steps: 0``, the run's length: the loader fills it in,
+    so that the engine's own check of the schedule passes."""
+    from verl_core.engine.optim import validate_optim_config
+
+    registry = get_registry()
+    if "ddp" not in registry.names("engine_backends"):
+        pytest.skip("the ddp backend (plugins/verl_ddp) is not installed")
+    config = load_config([REPO / "examples" / "grpo_tiny_ddp.yaml"], registry=registry)
+    optim = config.actor.engine.optim
+    assert (optim.lr_scheduler, optim.total_steps) == ("cosine", config.trainer.total_training_steps)
+    validate_optim_config(optim)  # raises ConfigError on the file as shipped before the fill

@@ -1,8 +1,10 @@
-"""Round trips over generated run configs: structure(unstructure(x)) == x, YAML dump and reload,
-and an unknown key anywhere is reported at its full path and nowhere else."""
+"""Round trips over generated run configs: structure(unstructure(x)) == x, YAML dump and reload;
+and an unknown key, a non-finite float or an unknown component name anywhere is reported at its
+full path and nowhere else."""
 
 from __future__ import annotations
 
+import math
 import string
 import tempfile
 import typing
@@ -15,7 +17,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verl_core import EngineBackend, hookimpl
+from verl_core import AdvantageEstimator, EngineBackend, RewardFunction, RolloutBackend, hookimpl
 from verl_core.config import (
     ActorConfig,
     AlgorithmConfig,
@@ -29,6 +31,7 @@ from verl_core.config import (
     OptimConfig,
     PolicyLossConfig,
     RefConfig,
+    RewardConfig,
     RolloutConfig,
     RunConfig,
     TrainerConfig,
@@ -37,9 +40,14 @@ from verl_core.config import (
     structure,
     unstructure,
 )
-from verl_core.config.algorithm import LossAggMode
+from verl_core.config.algorithm import KL_PENALTIES, LossAggMode
 from verl_core.errors import ConfigError
+from verl_core.hookspecs import POLICY_LOSSES, REWARD_FUNCTIONS
 from verl_core.plugins import Registry
+
+# Generated configs set options the run ignores (ref.engine with no KL term, ...): the warnings are
+# tested in test_config.py.
+pytestmark = pytest.mark.filterwarnings("ignore::verl_core.errors.ConfigWarning")
 
 
 @attrs.define
@@ -69,6 +77,27 @@ class Backends:
         return [
             EngineBackend(name="spin", engine="fixtures.engines:Engine", config=SpinOptions, api_version=1),
             EngineBackend(name="plain", engine="fixtures.engines:Engine", config=PlainOptions, api_version=1),
+        ]
+
+    @staticmethod
+    @hookimpl
+    def verl_rollout_backends() -> list[RolloutBackend]:
+        return [
+            RolloutBackend(name="spinroll", rollout="fixtures.engines:Engine", config=SpinOptions),
+            RolloutBackend(name="plainroll", rollout="fixtures.engines:Engine", config=PlainOptions),
+        ]
+
+    @staticmethod
+    @hookimpl
+    def verl_advantage_estimators() -> list[AdvantageEstimator]:
+        return [AdvantageEstimator(name="my_plugin_estimator", function="fixtures.engines:Engine")]
+
+    @staticmethod
+    @hookimpl
+    def verl_reward_functions() -> list[RewardFunction]:
+        return [
+            RewardFunction(name="plain_reward", function="fixtures.engines:Engine"),
+            RewardFunction(name="other_reward", function="fixtures.engines:Engine"),
         ]
 
 
@@ -106,6 +135,27 @@ options = st.one_of(
     st.builds(PlainOptions, flag=st.booleans()),
 )
 
+
+@st.composite
+def optims(draw: st.DrawFn) -> OptimConfig:
+    """A decaying schedule's ``total_steps`` is 0 (the run's length) or longer than its warmup."""
+    lr_scheduler = draw(literal(field_type(OptimConfig, "lr_scheduler")))
+    lr_warmup_steps = draw(st.integers(0, 1000))
+    longer = st.integers(lr_warmup_steps + 1, 10**6)
+    total_steps = draw(st.integers(0, 10**6) if lr_scheduler == "constant" else st.just(0) | longer)
+    return OptimConfig(
+        lr=draw(floats(0, 1)),
+        betas=draw(st.tuples(floats(0, 0.999), floats(0, 0.999))),
+        eps=draw(floats(1e-12, 1e-3)),
+        weight_decay=draw(floats(0, 1)),
+        clip_grad=draw(floats(0, 10)),
+        lr_warmup_steps=lr_warmup_steps,
+        lr_scheduler=lr_scheduler,
+        min_lr_ratio=draw(floats(0, 1)),
+        total_steps=total_steps,
+    )
+
+
 engines = options.flatmap(
     lambda backend_options: st.builds(
         EngineConfig,
@@ -119,18 +169,7 @@ engines = options.flatmap(
             trust_remote_code=st.booleans(),
             gradient_checkpointing=st.booleans(),
         ),
-        optim=st.builds(
-            OptimConfig,
-            lr=floats(0, 1),
-            betas=st.tuples(floats(0, 0.999), floats(0, 0.999)),
-            eps=floats(1e-12, 1e-3),
-            weight_decay=floats(0, 1),
-            clip_grad=floats(0, 10),
-            lr_warmup_steps=st.integers(0, 1000),
-            lr_scheduler=literal(field_type(OptimConfig, "lr_scheduler")),
-            min_lr_ratio=floats(0, 1),
-            total_steps=st.integers(0, 10**6),
-        ),
+        optim=optims(),
         micro_batch=st.builds(
             MicroBatchConfig,
             micro_batch_size=st.integers(1, 64),
@@ -149,7 +188,7 @@ extras = st.dictionaries(
 )
 policy_losses = st.builds(
     PolicyLossConfig,
-    loss_mode=names,
+    loss_mode=st.sampled_from(REGISTRY.names(POLICY_LOSSES)),
     loss_agg_mode=literal(LossAggMode),
     clip_ratio=floats(0, 1),
     clip_ratio_low=st.none() | floats(0, 1),
@@ -158,7 +197,7 @@ policy_losses = st.builds(
     entropy_coeff=floats(0, 1),
     use_kl_loss=st.booleans(),
     kl_loss_coef=floats(0, 1),
-    kl_loss_type=names,
+    kl_loss_type=st.sampled_from(KL_PENALTIES),
     rollout_is_cap=st.none() | floats(0.1, 10),
     extra=extras,
 )
@@ -169,7 +208,7 @@ algorithms = st.builds(
     lam=floats(0, 1),
     norm_adv_by_std_in_grpo=st.booleans(),
     use_kl_in_reward=st.booleans(),
-    kl_penalty=names,
+    kl_penalty=st.sampled_from(KL_PENALTIES),
     kl_ctrl=st.builds(
         KLControlConfig,
         type=literal(field_type(KLControlConfig, "type")),
@@ -179,15 +218,23 @@ algorithms = st.builds(
     ),
     extra=extras,
 )
-rollouts = st.builds(
-    RolloutConfig,
-    backend=names,
-    n=st.integers(2, 16),
-    temperature=floats(1e-3, 2),
-    top_p=floats(1e-3, 1),
-    top_k=st.integers(0, 100),
-    prompt_length=st.integers(1, 4096),
-    response_length=st.integers(1, 4096),
+rollouts = options.flatmap(
+    lambda backend_options: st.builds(
+        RolloutConfig,
+        backend=st.just("spinroll" if isinstance(backend_options, SpinOptions) else "plainroll"),
+        options=st.just(backend_options),
+        n=st.integers(2, 16),
+        temperature=floats(1e-3, 2),
+        top_p=floats(1e-3, 1),
+        top_k=st.integers(0, 100),
+        prompt_length=st.integers(1, 4096),
+        response_length=st.integers(1, 4096),
+    )
+)
+rewards = st.builds(
+    RewardConfig,
+    function=st.sampled_from(REGISTRY.names(REWARD_FUNCTIONS)),
+    on_error=literal(field_type(RewardConfig, "on_error")),
 )
 trainers = st.builds(
     TrainerConfig,
@@ -203,28 +250,42 @@ trainers = st.builds(
 )
 
 
+def runs_for(engine: EngineConfig, total_training_steps: int | None) -> EngineConfig:
+    """``engine`` as ``load_config`` leaves it: a decaying schedule over ``total_steps: 0`` gets the
+    run length when the run sets one, so the generated config must already hold a length there."""
+    optim = engine.optim
+    if total_training_steps is None or optim.lr_scheduler == "constant" or optim.total_steps:
+        return engine
+    return attrs.evolve(engine, optim=attrs.evolve(optim, total_steps=optim.lr_warmup_steps + 1))
+
+
 @st.composite
 def run_configs(draw: st.DrawFn) -> RunConfig:
-    """Valid configs: the cross-section rules (mini-batches divide the batch, gae has a critic) hold."""
+    """Valid configs: the cross-section rules (mini-batches divide the batch, gae has a critic) hold,
+    and ``load_config`` has nothing to fill in (see ``runs_for``)."""
     mini_batch = draw(st.integers(1, 16))
     algorithm = draw(algorithms)
+    trainer = draw(trainers)
+    steps = trainer.total_training_steps
     critic_engine = draw(st.none() | engines) if algorithm.adv_estimator != "gae" else draw(engines)
+    ref_engine = draw(st.none() | engines)
     return RunConfig(
         actor=ActorConfig(
-            engine=draw(engines),
+            engine=runs_for(draw(engines), steps),
             policy_loss=draw(policy_losses),
             ppo_mini_batch_size=mini_batch,
             ppo_epochs=draw(st.integers(1, 4)),
         ),
-        ref=RefConfig(engine=draw(st.none() | engines)),
+        ref=RefConfig(engine=None if ref_engine is None else runs_for(ref_engine, steps)),
         critic=CriticConfig(
             enable=algorithm.adv_estimator == "gae" or (critic_engine is not None and draw(st.booleans())),
-            engine=critic_engine,
+            engine=None if critic_engine is None else runs_for(critic_engine, steps),
             loss=CriticLossConfig(
                 cliprange_value=draw(floats(1e-3, 10)), loss_agg_mode=draw(literal(LossAggMode))
             ),
         ),
         rollout=draw(rollouts),
+        reward=draw(rewards),
         algorithm=algorithm,
         data=DataConfig(
             train_files=draw(st.lists(texts, max_size=3)),
@@ -234,7 +295,7 @@ def run_configs(draw: st.DrawFn) -> RunConfig:
             shuffle=draw(st.booleans()),
             seed=draw(st.integers(0, 2**32)),
         ),
-        trainer=draw(trainers),
+        trainer=trainer,
     )
 
 
@@ -277,3 +338,63 @@ def test_an_unknown_key_is_reported_at_its_full_path_only(config, data):
     ((path, message),) = caught.value.errors
     assert path == (f"{section}.zz_unknown" if section else "zz_unknown")
     assert message.startswith("unknown key (allowed keys: ")
+
+
+def leaves(data: object, path: str = "") -> list[tuple[str, object, object]]:
+    """``(dotted.path, container, key)`` of every scalar in unstructured config data, ``extra`` (free
+    form) left out."""
+    found = []
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else []
+    for key, value in items:
+        if key == "extra":
+            continue
+        here = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+        found += leaves(value, here) if isinstance(value, (dict, list)) else [(here, data, key)]
+    return found
+
+
+@settings(max_examples=60, deadline=None)
+@given(config=run_configs(), data=st.data())
+def test_a_non_finite_float_is_reported_at_its_path_only(config, data):
+    raw = unstructure(config)
+    floats_in = [leaf for leaf in leaves(raw) if type(leaf[1][leaf[2]]) is float]
+    path, container, key = data.draw(st.sampled_from(floats_in), label="float")
+    container[key] = data.draw(st.sampled_from([math.inf, -math.inf, math.nan]), label="value")
+    with pytest.raises(ConfigError) as caught:
+        structure(raw, RunConfig, registry=REGISTRY)
+    assert caught.value.errors == [(path, f"expected a finite float, got {container[key]!r}")]
+
+
+def named_paths(raw: dict) -> list[str]:
+    """The keys of unstructured config data that name a registered component or a fixed choice."""
+    paths = [
+        "algorithm.adv_estimator",
+        "algorithm.kl_penalty",
+        "actor.policy_loss.loss_mode",
+        "actor.policy_loss.kl_loss_type",
+        "rollout.backend",
+        "reward.function",
+    ]
+    for section in ("actor", "ref", "critic"):
+        if raw[section]["engine"] is not None:
+            paths += [f"{section}.engine.backend", f"{section}.engine.device"]
+    return paths
+
+
+@settings(max_examples=60, deadline=None)
+@given(config=run_configs(), data=st.data())
+def test_an_unknown_name_is_reported_at_its_path_only(config, data):
+    raw = unstructure(config)
+    path = data.draw(st.sampled_from(named_paths(raw)), label="path")
+    *sections, key = path.split(".")
+    container = raw
+    for section in sections:
+        container = container[section]
+    misspelt = container[key] + data.draw(st.sampled_from(["x", "_"]), label="suffix")
+    container[key] = misspelt
+    with pytest.raises(ConfigError) as caught:
+        structure(raw, RunConfig, registry=REGISTRY)
+    ((where, message),) = caught.value.errors
+    assert where == path
+    assert repr(misspelt) in message and "\n" not in message
+    assert "did you mean" in message.lower()  # one suffix away from a valid name

@@ -73,9 +73,10 @@ def _build_parser() -> argparse.ArgumentParser:
     config = commands.add_parser(
         "config",
         help="print the fully resolved configuration as YAML",
-        description="Merge the YAML FILES in order, apply the dotted overrides, validate, and print the "
-        "result as YAML; on invalid input print every error and exit 2. Positional arguments "
-        "containing '=' are overrides; -o overrides apply after them.",
+        description="Merge the YAML FILES in order, apply the dotted overrides, validate (every "
+        "component name resolved), and print the result as YAML; on invalid input print every error "
+        "and exit 2. Options the run will ignore are printed as warnings on stderr (exit 0). "
+        "Positional arguments containing '=' are overrides; -o overrides apply after them.",
     )
     config.add_argument("items", nargs="*", metavar="FILE|KEY=VALUE", help="YAML files and dotted overrides")
     config.add_argument(
@@ -213,14 +214,42 @@ def format_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
 
 def _run_config(args: argparse.Namespace) -> int:
     # The loader imports cattrs and yaml: only this command pays for them.
-    from verl_core.config import dump_yaml, load_config
-    from verl_core.errors import ConfigError
+    import warnings
 
-    paths = [item for item in args.items if "=" not in item]
-    overrides = [item for item in args.items if "=" in item] + args.override
-    try:
-        config = load_config(paths, overrides)
-    except ConfigError as error:
+    from verl_core.config import dump_yaml, load_config
+    from verl_core.config.loading import OVERRIDES_SOURCE, looks_like_key
+    from verl_core.errors import ConfigError, ConfigWarning
+
+    paths, overrides, mistaken = [], [], []
+    for item in args.items:
+        if "=" in item:
+            overrides.append(item)
+        elif not os.path.exists(item) and looks_like_key(item):
+            mistaken.append(item)  # ``actor.engine.optim.lr 1e-5``: not a file to read
+        else:
+            paths.append(item)
+    if mistaken:
+        problems = [
+            (
+                "",
+                f"{item!r} is not a file and looks like an override missing '=': write key=value ({item}=VALUE)",
+            )
+            for item in mistaken
+        ]
+        print(ConfigError(problems, source=OVERRIDES_SOURCE), file=sys.stderr)
+        return 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigWarning)
+        try:
+            config, error = load_config(paths, overrides + args.override), None
+        except ConfigError as exc:
+            config, error = None, exc
+    for warning in caught:  # each option the run will ignore, as ``warning: <path>: <message>``
+        if issubclass(warning.category, ConfigWarning):
+            print(f"warning: {warning.message}", file=sys.stderr)
+        else:  # not ours: as Python would have shown it
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    if error is not None:
         print(error, file=sys.stderr)
         return 2
     sys.stdout.write(dump_yaml(config))

@@ -30,6 +30,13 @@ _IMPORT_STRING = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 Loadable = str | Callable[..., Any] | type
 
 
+def is_file_spec(value: str) -> bool:
+    """Whether ``value`` names a function in a user's file, ``path/to/file.py:function_name`` (the
+    part before its last ``:`` ends with ``.py``), rather than a registered name."""
+    path, colon, _ = value.rpartition(":")
+    return bool(colon) and path.endswith(".py")
+
+
 def load_object(target: Loadable) -> Any:
     """Import ``"module:attribute"`` (nested attributes allowed); objects pass through."""
     if not isinstance(target, str):

@@ -29,7 +29,7 @@ import attrs
 import torch
 
 from verl_core.algos.aggregation import masked_mean
-from verl_core.config.algorithm import KLControlConfig
+from verl_core.config.algorithm import KL_PENALTIES, KLControlConfig
 
 #: Bounds of k3 (``low_var_kl``) that keep it finite when the policies drift far apart.
 _LOG_RATIO_CLAMP = 20.0
@@ -53,6 +53,8 @@ def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.clamp(ref_over_policy.exp() - ref_over_policy - 1, min=-_K3_CLAMP, max=_K3_CLAMP)
 
 
+#: The estimators by name: exactly ``verl_core.config.algorithm.KL_ESTIMATORS``, the names a config is
+#: checked against when it loads (``KL_PENALTIES`` adds the ``+`` variants; a test holds them together).
 _ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "kl": _k1,
     "k1": _k1,
@@ -63,9 +65,6 @@ _ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "k3": _k3,
 }
 
-#: Every accepted estimator name, the straight-through ``+`` variants included.
-KL_PENALTIES: tuple[str, ...] = tuple(_ESTIMATORS) + tuple(f"{name}+" for name in _ESTIMATORS)
-
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
     """Per-token KL estimate between the policy (``log_prob``) and the reference, by estimator name.
@@ -73,17 +72,16 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_penalty: s
     Names are listed in ``KL_PENALTIES``; a name ending in ``+`` returns the named estimator's value
     with the gradient of ``k2`` (``log_prob - ref_log_prob`` with respect to ``log_prob``).
     """
-    base_name, straight_through = kl_penalty.removesuffix("+"), kl_penalty.endswith("+")
-    estimator = _ESTIMATORS.get(base_name)
-    if estimator is None:
+    if kl_penalty not in KL_PENALTIES:
         close = difflib.get_close_matches(kl_penalty, KL_PENALTIES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(
             f"unknown KL penalty {kl_penalty!r}{hint}: set algorithm.kl_penalty / "
             f"actor.policy_loss.kl_loss_type to one of {', '.join(KL_PENALTIES)}"
         )
+    base_name, straight_through = kl_penalty.removesuffix("+"), kl_penalty.endswith("+")
     log_ratio = log_prob - ref_log_prob
-    value = estimator(log_ratio)
+    value = _ESTIMATORS[base_name](log_ratio)
     if not straight_through:
         return value
     surrogate = _k2(log_ratio)

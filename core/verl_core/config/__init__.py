@@ -1,12 +1,13 @@
 """Configuration: attrs classes, YAML loading, dotted overrides, validation with full paths.
 
-``load_config(paths, overrides)`` builds a ``RunConfig``; ``structure`` / ``unstructure`` convert
-any config class from and to plain data; ``dump_yaml`` writes what ``load_config`` reads back.
+``load_config(paths, overrides)`` builds a ``RunConfig``, every component name resolved and every
+rule checked before anything runs; ``structure`` / ``unstructure`` convert any config class from
+and to plain data; ``dump_yaml`` writes what ``load_config`` reads back.
 docs/config.md documents every section and key. Importing this package does not import torch.
 """
 
 from verl_core.config.algorithm import AlgorithmConfig, CriticLossConfig, KLControlConfig, PolicyLossConfig
-from verl_core.config.convert import structure, unstructure
+from verl_core.config.convert import structure, structure_with_warnings, unstructure
 from verl_core.config.engine import EngineConfig, MicroBatchConfig, ModelConfig, OptimConfig
 from verl_core.config.loading import dump_yaml, load_config, parse_override
 from verl_core.config.run import (
@@ -14,6 +15,7 @@ from verl_core.config.run import (
     CriticConfig,
     DataConfig,
     RefConfig,
+    RewardConfig,
     RolloutConfig,
     RunConfig,
     TrainerConfig,
@@ -32,6 +34,7 @@ __all__ = [
     "OptimConfig",
     "PolicyLossConfig",
     "RefConfig",
+    "RewardConfig",
     "RolloutConfig",
     "RunConfig",
     "TrainerConfig",
@@ -39,5 +42,6 @@ __all__ = [
     "load_config",
     "parse_override",
     "structure",
+    "structure_with_warnings",
     "unstructure",
 ]

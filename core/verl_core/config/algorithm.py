@@ -6,12 +6,22 @@ from typing import Any, Literal
 
 import attrs
 
-from verl_core.config.validators import greater_than, non_negative, positive, unit_interval
+from verl_core.config.names import registered
+from verl_core.config.validators import greater_than, non_negative, one_of, positive, unit_interval
+from verl_core.hookspecs import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 
 #: How per-token losses become one number; ``verl_core.algos.aggregation`` documents each mode.
 LossAggMode = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 ]
+
+#: The per-token KL estimators ``verl_core.algos.kl`` implements. Listed here, without torch, so that
+#: a config is checked when it loads; ``verl_core.algos.kl`` computes exactly these.
+KL_ESTIMATORS: tuple[str, ...] = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+#: Every name ``algorithm.kl_penalty`` and ``actor.policy_loss.kl_loss_type`` accept: each estimator,
+#: and each with a ``+`` suffix (its value with the gradient of ``k2``, straight-through).
+KL_PENALTIES: tuple[str, ...] = KL_ESTIMATORS + tuple(f"{name}+" for name in KL_ESTIMATORS)
+_kl_estimator = one_of(KL_PENALTIES, "KL estimator", "'+' keeps the value with the gradient of k2")
 
 
 @attrs.define
@@ -29,14 +39,15 @@ class KLControlConfig:
 class AlgorithmConfig:
     """The ``algorithm`` section: advantage estimation and KL in the reward."""
 
-    #: Name of a registered advantage estimator (``verl-core plugins`` lists them).
-    adv_estimator: str = "gae"
+    #: Name of a registered advantage estimator (``verl-core plugins --all`` lists them).
+    adv_estimator: str = registered(ADVANTAGE_ESTIMATORS, "gae")
     gamma: float = attrs.field(default=1.0, validator=unit_interval)
     lam: float = attrs.field(default=1.0, validator=unit_interval)
     #: GRPO: divide by the group's std (False gives Dr.GRPO).
     norm_adv_by_std_in_grpo: bool = True
     use_kl_in_reward: bool = False
-    kl_penalty: str = "kl"
+    #: KL estimator of the penalty (``KL_PENALTIES``).
+    kl_penalty: str = attrs.field(default="kl", validator=_kl_estimator)
     kl_ctrl: KLControlConfig = attrs.field(factory=KLControlConfig)
     #: Options for plugin-provided estimators, passed through untouched.
     extra: dict[str, Any] = attrs.field(factory=dict)
@@ -47,7 +58,7 @@ class PolicyLossConfig:
     """The actor's loss: which policy loss, its clipping, aggregation, entropy and KL terms."""
 
     #: Name of a registered policy loss; ``vanilla`` is PPO's clipped surrogate.
-    loss_mode: str = "vanilla"
+    loss_mode: str = registered(POLICY_LOSSES, "vanilla")
     loss_agg_mode: LossAggMode = "token-mean"
     clip_ratio: float = attrs.field(default=0.2, validator=non_negative)
     #: Asymmetric clipping (DAPO's clip-higher); ``None`` falls back to ``clip_ratio``.
@@ -58,7 +69,8 @@ class PolicyLossConfig:
     entropy_coeff: float = attrs.field(default=0.0, validator=non_negative)
     use_kl_loss: bool = False
     kl_loss_coef: float = attrs.field(default=0.001, validator=non_negative)
-    kl_loss_type: str = "low_var_kl"
+    #: KL estimator of the loss term (``KL_PENALTIES``).
+    kl_loss_type: str = attrs.field(default="low_var_kl", validator=_kl_estimator)
     #: Truncated importance weights from rollout log-probs: cap of the weight, ``None`` disables.
     rollout_is_cap: float | None = attrs.field(default=None, validator=positive)
     #: Clip-Cov: fraction of tokens to detach, and the covariance band they are drawn from.

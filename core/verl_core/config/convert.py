@@ -1,19 +1,28 @@
 """Plain data <-> config classes, with every error reported at its full dotted path.
 
-cattrs structures the attrs classes (unknown keys refused, errors collected per field); the hooks
-here make it strict where cattrs would coerce (``"1e-5"`` into a float, ``"abc"`` into a list of
-characters, ``2.7`` into ``2``), run each class's field validators and ``check()``, and select a
-backend's own options class by the ``backend`` name of an engine section. Every failure becomes a
-``(path, message)`` pair in one ``ConfigError``.
+The hooks here structure the attrs classes field by field with cattrs (unknown keys refused, errors
+collected per field) and make it strict where cattrs would coerce (``"1e-5"`` into a float, ``"abc"``
+into a list of characters, ``2.7`` into ``2``, ``.inf`` into a learning rate). They run each class's
+field validators, look up the names of registered components (``verl_core.config.names``), run its
+``check()`` rules and select a backend's own options class by the ``backend`` name of an engine or
+rollout section. Every failure becomes a ``(path, message)`` pair in one ``ConfigError``.
+
+A section with errors does not hide the others' rules: it is handed on holding the fields whose
+values are valid (the others unset), so that rules whose inputs are there still run and rules
+that read an unset field are skipped (``verl_core.config.validators.each_rule``). Options the run
+will ignore (a class's ``ignored()``, another backend's section) become ``ConfigWarning`` s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import difflib
+import math
 import types
 import typing
-from collections.abc import Iterator, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal, TypeVar
 
 import attrs
@@ -24,12 +33,14 @@ from cattrs.errors import (
     ForbiddenExtraKeysError,
     IterableValidationNote,
 )
-from cattrs.gen import make_dict_structure_fn_from_attrs, make_dict_unstructure_fn
+from cattrs.gen import make_dict_unstructure_fn
 
+from verl_core.config import names
 from verl_core.config.engine import EngineConfig
-from verl_core.config.validators import InvalidValue
-from verl_core.errors import ConfigError
-from verl_core.hookspecs import ENGINE_BACKENDS
+from verl_core.config.run import RolloutConfig
+from verl_core.config.validators import InvalidValue, is_unstructured
+from verl_core.errors import ConfigError, ConfigWarning
+from verl_core.hookspecs import ENGINE_BACKENDS, ROLLOUT_BACKENDS
 
 if typing.TYPE_CHECKING:
     from verl_core.plugins import Registry
@@ -37,9 +48,15 @@ if typing.TYPE_CHECKING:
 T = TypeVar("T")
 Errors = list[tuple[str, str]]
 
+MISSING_KEY = "required key is missing: set it in the YAML file or with an override"
+
 _converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
-#: The registry that ``backend`` names are looked up in, for the ``structure`` call in progress.
+#: The registry that names are looked up in, for the ``structure`` call in progress.
 _registry: contextvars.ContextVar[Registry | None] = contextvars.ContextVar("registry", default=None)
+#: Full dotted path of the value being structured (errors get theirs on the way up; warnings here).
+_path: contextvars.ContextVar[str] = contextvars.ContextVar("path", default="")
+#: ``(full.path, message)`` of each option the run will ignore, for the ``structure`` call in progress.
+_warnings: contextvars.ContextVar[Errors | None] = contextvars.ContextVar("warnings", default=None)
 
 
 # -- public API -----------------------------------------------------------------------------------
@@ -49,16 +66,29 @@ def structure(data: Any, cls: type[T], path: str = "", *, registry: Registry | N
     """Build ``cls`` from plain data (YAML-loaded dicts, lists and scalars).
 
     Raises ``ConfigError`` listing every problem, each at its dotted path below ``path`` (the
-    position of ``data`` in a larger config, for the messages). ``registry`` resolves engine backend
-    names; by default the process-wide ``verl_core.plugins.get_registry()``.
+    position of ``data`` in a larger config, for the messages). ``registry`` resolves backend and
+    other component names; by default the process-wide ``verl_core.plugins.get_registry()``.
+    Options the result will ignore are issued as ``ConfigWarning`` s, each ``path: message``.
     """
-    token = _registry.set(registry)
+    result, ignored = structure_with_warnings(data, cls, path, registry=registry)
+    for where, message in ignored:
+        warnings.warn(ConfigWarning(f"{where}: {message}"), stacklevel=2)
+    return result
+
+
+def structure_with_warnings(
+    data: Any, cls: type[T], path: str = "", *, registry: Registry | None = None
+) -> tuple[T, Errors]:
+    """Like ``structure``, but return the warnings as ``(full.path, message)`` pairs instead of issuing
+    them (``load_config`` adds where each value was set)."""
+    tokens = [(_registry, _registry.set(registry)), (_path, _path.set(path)), (_warnings, _warnings.set([]))]
     try:
-        return _converter.structure(data, cls)
+        return _converter.structure(data, cls), list(_warnings.get() or [])
     except Exception as exc:
         raise ConfigError(_errors_of(exc, path)) from None
     finally:
-        _registry.reset(token)
+        for variable, token in reversed(tokens):
+            variable.reset(token)
 
 
 def unstructure(obj: Any) -> Any:
@@ -79,7 +109,7 @@ def unknown_key_message(key: str, allowed: list[str]) -> str:
 
 
 def join_path(prefix: str, step: str) -> str:
-    """``actor`` + ``optim`` -> ``actor.optim``; ``data.train_files`` + ``[1]`` -> ``data.train_files[1]``."""
+    """``actor`` + ``engine`` -> ``actor.engine``; ``data.train_files`` + ``[1]`` -> ``data.train_files[1]``."""
     if not step:
         return prefix
     if not prefix:
@@ -113,9 +143,7 @@ def _errors_of(exc: BaseException, path: str) -> Errors:
             step = _step_of(sub)
             sub_path = join_path(path, step) if step is not None else path
             if isinstance(sub, KeyError) and step is not None and sub.args == (step,):
-                errors.append(
-                    (sub_path, "required key is missing: set it in the YAML file or with an override")
-                )
+                errors.append((sub_path, MISSING_KEY))
             else:
                 errors += _errors_of(sub, sub_path)
         return errors
@@ -150,8 +178,15 @@ def _structure_int(value: Any, _: type) -> int:
 
 
 def _structure_float(value: Any, _: type) -> float:
+    # Finite only: no option takes .inf or .nan, and a NaN learning rate fails no range check.
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond the floats
+            number = math.inf
+        if math.isfinite(number):
+            return number
+        raise ValueError(f"expected a finite float, got {_short(value)}")
     raise _mismatch("float", value)
 
 
@@ -193,7 +228,8 @@ def _structure_items(values: Any, item_types: list[Any]) -> list[Any]:
     items, errors = [], []
     for index, (value, item_type) in enumerate(zip(values, item_types, strict=True)):
         try:
-            items.append(_converter.structure(value, item_type))
+            with _at(f"[{index}]"):
+                items.append(_converter.structure(value, item_type))
         except Exception as exc:
             errors += _errors_of(exc, f"[{index}]")
     if errors:
@@ -226,7 +262,8 @@ def _structure_dict(value: Any, dict_type: Any) -> dict[Any, Any]:
     result, errors = {}, []
     for key, item in value.items():
         try:
-            result[_converter.structure(key, key_type)] = _converter.structure(item, item_type)
+            with _at(str(key)):
+                result[_converter.structure(key, key_type)] = _converter.structure(item, item_type)
         except Exception as exc:
             errors += _errors_of(exc, str(key))
     if errors:
@@ -241,20 +278,73 @@ def _unstructure_tuple(value: tuple[Any, ...]) -> list[Any]:
 # -- config classes -------------------------------------------------------------------------------
 
 
-def _field_errors(instance: Any) -> Iterator[tuple[str, str]]:
-    """Run every field validator of ``instance`` (and its ``check()``), collecting the failures."""
-    for field in attrs.fields(type(instance)):
-        if field.validator is None:
-            continue
+@contextlib.contextmanager
+def _at(step: str) -> Iterator[None]:
+    """Structure the value at ``step`` below the current path (for the warnings it gives)."""
+    token = _path.set(join_path(_path.get(), step))
+    try:
+        yield
+    finally:
+        _path.reset(token)
+
+
+def _warn(step: str, message: str) -> None:
+    """Record that the run will ignore the option at ``step`` below the current path."""
+    found = _warnings.get()
+    if found is not None:
+        found.append((join_path(_path.get(), step), message))
+
+
+class _SectionError(ConfigError):
+    """The errors of a section, with what of it structured: ``partial`` is an instance of the class
+    holding the fields whose values are valid and none of the others (reading one raises
+    ``AttributeError``), for the rules of the sections around it."""
+
+    def __init__(self, errors: Errors, partial: Any):
+        super().__init__(errors)
+        self.partial = partial
+
+
+@attrs.define
+class _Draft:
+    """A section being structured: the values that structured, the fields that did not, the errors."""
+
+    cls: type
+    values: dict[str, Any] = attrs.field(factory=dict)
+    #: Fields without a valid value: left unset in the section handed to the rules.
+    failed: set[str] = attrs.field(factory=set)
+    #: Fields holding a section with errors of its own (a ``_SectionError.partial``).
+    incomplete: set[str] = attrs.field(factory=set)
+    errors: Errors = attrs.field(factory=list)
+
+    def structure(self, name: str, value: Any, tp: Any, key: str | None = None) -> None:
+        """Structure the field ``name`` from ``value`` as ``tp``, recording the outcome; ``key`` is
+        where the value sits in YAML when not at ``name`` (backend options, under the backend's name)."""
+        step = name if key is None else key
         try:
-            field.validator(instance, field, getattr(instance, field.name))
-        except InvalidValue as exc:
-            yield exc.field, exc.message
+            with _at(step):
+                self.values[name] = value if tp is None else _converter.structure(value, tp)
+        except _SectionError as exc:
+            self.values[name] = exc.partial
+            self.incomplete.add(name)
+            self.errors += _errors_of(exc, step)
         except Exception as exc:
-            yield field.name, str(exc)
-    check = getattr(instance, "check", None)
-    if callable(check):
-        yield from check()
+            self.failed.add(name)
+            self.errors += _errors_of(exc, step)
+
+    def fail(self, name: str, message: str) -> None:
+        """Record that the field ``name`` has no valid value, and why."""
+        self.failed.add(name)
+        self.errors.append((name, message))
+
+
+def _structure_fields(draft: _Draft, fields: Iterable[attrs.Attribute], mapping: Mapping[Any, Any]) -> None:
+    """Structure each of ``fields`` present in ``mapping`` into ``draft``; a required one absent is an error."""
+    for field in fields:
+        if field.name in mapping:
+            draft.structure(field.name, mapping[field.name], field.type)
+        elif field.default is attrs.NOTHING:
+            draft.fail(field.name, MISSING_KEY)
 
 
 def _section_mapping(value: Any, cls: type) -> Mapping[str, Any]:
@@ -265,12 +355,41 @@ def _section_mapping(value: Any, cls: type) -> Mapping[str, Any]:
     return value
 
 
+#: Passed to the stand-in of a class for a field that did not structure: set by no default.
+_UNSET = object()
+
+
+def _passing_unset(converter: Any) -> Any:
+    """``converter``, except that ``_UNSET`` goes through it unchanged."""
+    if converter is None:
+        return None
+    converter_with_context = getattr(attrs, "Converter", None)  # attrs >= 24.1
+    if converter_with_context is not None and isinstance(converter, converter_with_context):
+        inner = converter.converter
+
+        def convert_with_context(value: Any, *context: Any) -> Any:
+            return value if value is _UNSET else inner(value, *context)
+
+        return converter_with_context(
+            convert_with_context, takes_self=converter.takes_self, takes_field=converter.takes_field
+        )
+
+    def convert(value: Any) -> Any:
+        return value if value is _UNSET else converter(value)
+
+    return convert
+
+
 def _unvalidated_copy(cls: type) -> type:
-    """A class with the fields of ``cls`` (defaults, converters, aliases) but no validators or methods."""
+    """A class with the fields of ``cls`` (defaults, converters, aliases) but no validators or methods.
+
+    Called with the structured values, it fills in the defaults and applies the converters as
+    ``cls.__init__`` would, without stopping at the first invalid value.
+    """
     fields = {
         field.name: attrs.field(
             default=field.default,
-            converter=field.converter,
+            converter=_passing_unset(field.converter),
             init=field.init,
             alias=field.alias,
             kw_only=field.kw_only,
@@ -280,28 +399,88 @@ def _unvalidated_copy(cls: type) -> type:
     return attrs.make_class(cls.__name__, fields, slots=False)
 
 
-def _make_section_hook(cls: type[T]) -> Any:
-    """Structure ``cls`` from a mapping with cattrs, validate its fields and run ``check()``, then build it.
+def _field_problem(instance: Any, field: attrs.Attribute) -> tuple[str, str] | None:
+    """The error of one field's value: its validator, then, for a registered name, the registry."""
+    value = getattr(instance, field.name)
+    if field.validator is not None:
+        try:
+            field.validator(instance, field, value)
+        except InvalidValue as exc:
+            return exc.field, exc.message
+        except AttributeError as exc:
+            if not is_unstructured(exc):  # else it reads a field that did not structure: skipped
+                return field.name, str(exc)
+        except Exception as exc:
+            return field.name, str(exc)
+    spec = field.metadata.get(names.METADATA_KEY)
+    if spec is not None and isinstance(value, str):
+        problem = names.name_problem(_current_registry(), spec, value)
+        if problem is not None:
+            return field.name, problem
+    return None
 
-    The validators run one by one before ``cls`` is built, so that all failures are reported; its
-    ``__init__`` would stop at the first. cattrs builds a copy without validators and they check a
-    stand-in holding the copy's values. (``attrs.validators.disabled()`` would also do, but it switches
-    validators off in every thread.)
+
+def _rule_results(instance: Any, method: str) -> Errors:
+    """What ``instance.<method>()`` (``check`` or ``ignored``) yields; nothing from a rule that reads
+    a field which did not structure (its own error is reported)."""
+    rule: Callable[[], Iterable[tuple[str, str]]] | None = getattr(instance, method, None)
+    results: Errors = []
+    if callable(rule):
+        try:
+            results.extend(rule())
+        except AttributeError as exc:
+            if not is_unstructured(exc):
+                raise
+    return results
+
+
+def _finish(draft: _Draft, stand_in: type) -> Any:
+    """Validate the drafted section and build it; or raise ``_SectionError`` with every error and the
+    partial section.
+
+    The validators run one by one on an instance assembled without ``__init__`` (which would stop at
+    the first failure); a field that fails is then unset. A registered name is looked up, then the
+    class's ``check()`` runs on what is valid. The instance returned is built by ``__init__``.
+    (``attrs.validators.disabled()`` would also do, but it switches validators off in every thread.)
     """
-    attrs.resolve_types(cls)  # cattrs takes the field types from ``cls``; the copy has none
-    structure_fields = make_dict_structure_fn_from_attrs(
-        list(attrs.fields(cls)), _unvalidated_copy(cls), _converter
-    )
+    cls = draft.cls
+    aliases = {field.name: field.alias for field in attrs.fields(cls) if field.init}
+    arguments = {aliases[name]: value for name, value in draft.values.items()}
+    arguments.update({aliases[name]: _UNSET for name in draft.failed if name in aliases})
+    instance = object.__new__(cls)
+    for name, value in vars(stand_in(**arguments)).items():
+        if value is not _UNSET:
+            object.__setattr__(instance, name, value)
+    errors = list(draft.errors)
+    for field in attrs.fields(cls):
+        if field.name in draft.failed or field.name in draft.incomplete or not hasattr(instance, field.name):
+            continue
+        problem = _field_problem(instance, field)
+        if problem is not None:
+            errors.append(problem)
+            object.__delattr__(instance, field.name)
+    errors += _rule_results(instance, "check")
+    if errors:
+        raise _SectionError(errors, instance)
+    for step, message in _rule_results(instance, "ignored"):
+        _warn(step, message)
+    return attrs.evolve(instance)  # built by ``__init__`` after all, now that its validators pass
+
+
+def _make_section_hook(cls: type[T]) -> Any:
+    """Structure ``cls`` from a mapping: each field, then the unknown keys, then ``_finish``."""
+    attrs.resolve_types(cls)  # the field types, for structuring each field
+    stand_in = _unvalidated_copy(cls)
+    fields = [field for field in attrs.fields(cls) if field.init]
+    allowed = [field.name for field in fields]
 
     def structure_section(value: Any, _: type = cls) -> T:
-        values = structure_fields(_section_mapping(value, cls))
-        instance = object.__new__(cls)  # its ``__init__`` would run the validators
-        for name, field_value in vars(values).items():
-            object.__setattr__(instance, name, field_value)
-        errors = list(_field_errors(instance))
-        if errors:
-            raise ConfigError(errors)
-        return attrs.evolve(instance)  # built by ``__init__`` after all, now that its validators pass
+        mapping = _section_mapping(value, cls)
+        draft = _Draft(cls)
+        _structure_fields(draft, fields, mapping)
+        unknown = sorted(str(key) for key in mapping if key not in allowed)
+        draft.errors += [(key, unknown_key_message(key, allowed)) for key in unknown]
+        return _finish(draft, stand_in)
 
     return structure_section
 
@@ -309,7 +488,7 @@ def _make_section_hook(cls: type[T]) -> Any:
 def _current_registry() -> Registry:
     registry = _registry.get()
     if registry is None:
-        from verl_core.plugins import get_registry  # discovery only when a backend is looked up
+        from verl_core.plugins import get_registry  # discovery only when a name is looked up
 
         registry = get_registry()
     return registry
@@ -321,47 +500,53 @@ def _load_options_class(registry: Registry, kind: str, name: str) -> type:
 
 
 def _make_backend_options_hooks(cls: type, kind: str) -> tuple[Any, Any]:
-    """Hooks for a section with a ``backend`` name and ``options`` of that backend's own class.
+    """Hooks for a section with a ``backend`` name of registry ``kind`` and ``options`` of that
+    backend's own class (the descriptor's ``config``): ``EngineConfig`` and ``ENGINE_BACKENDS``,
+    ``RolloutConfig`` and ``ROLLOUT_BACKENDS``.
 
     In YAML the options sit under a key named after the backend (``fsdp: {...}``). A key named after
-    another installed backend of ``kind`` is ignored, so that one override switches backends.
+    another installed backend of ``kind`` is accepted, so that one override switches backends, and
+    warned about: the run ignores it.
     """
-    structure_fields = _make_section_hook(cls)
+    attrs.resolve_types(cls)
+    stand_in = _unvalidated_copy(cls)
+    fields = [field for field in attrs.fields(cls) if field.init and field.name != "options"]
+    keys = [field.name for field in fields]
+    default_backend = attrs.fields_dict(cls)["backend"].default  # ``NOTHING``: required
     unstructure_fields = make_dict_unstructure_fn(cls, _converter)
-    keys = [field.name for field in attrs.fields(cls) if field.name != "options"]
 
     def structure_with_options(value: Any, _: type = cls) -> Any:
         value = _section_mapping(value, cls)
-        name = value.get("backend")
         registry = _current_registry()
-        errors: Errors = []
+        installed = registry.names(kind)
+        draft = _Draft(cls)
+        _structure_fields(draft, fields, {key: item for key, item in value.items() if key in keys})
+        name = draft.values.get("backend", default_backend)
         options_class = None
-        if isinstance(name, str):  # otherwise structuring ``backend`` reports the bad value
+        if "backend" not in draft.failed and isinstance(name, str):
             try:
                 options_class = _load_options_class(registry, kind, name)
             except Exception as exc:
-                errors.append(("backend", " ".join(str(exc).splitlines())))
-        installed = registry.names(kind)
-        fields = {key: item for key, item in value.items() if key in keys}
+                draft.fail("backend", names.one_line(exc))
+        backend_path = join_path(_path.get(), "backend")
         for key in value:
             if key == "options":  # the attribute's name; YAML spells it after the backend
-                errors.append(
+                draft.errors.append(
                     (key, f"unknown key: the options of backend '{name}' go under its name ({name}: {{...}})")
                 )
+            elif key in installed and key != name and options_class is not None:
+                _warn(
+                    str(key),
+                    f"ignored: {backend_path} is '{name}'; the options of backend '{key}' apply once "
+                    f"{backend_path}={key}",
+                )
             elif key not in keys and key != name and key not in installed:
-                errors.append((str(key), unknown_key_message(str(key), [*keys, *installed])))
+                draft.errors.append((str(key), unknown_key_message(str(key), [*keys, *installed])))
         if options_class is not None:
-            try:
-                fields["options"] = _converter.structure(value.get(name), options_class)
-            except Exception as exc:
-                errors += _errors_of(exc, name)
-        try:
-            section = structure_fields(fields)
-        except Exception as exc:
-            errors = _errors_of(exc, "") + errors
-        if errors:
-            raise ConfigError(errors)
-        return section
+            draft.structure("options", value.get(name), options_class, key=name)
+        else:
+            draft.failed.add("options")  # no options without a backend; its error is reported
+        return _finish(draft, stand_in)
 
     def unstructure_with_options(section: Any) -> dict[str, Any]:
         data = unstructure_fields(section)
@@ -399,9 +584,10 @@ def _register_hooks() -> None:
         lambda tp: tp is tuple or typing.get_origin(tp) is tuple, _unstructure_tuple
     )
 
-    structure_engine, unstructure_engine = _make_backend_options_hooks(EngineConfig, ENGINE_BACKENDS)
-    _converter.register_structure_hook(EngineConfig, structure_engine)
-    _converter.register_unstructure_hook(EngineConfig, unstructure_engine)
+    for cls, kind in ((EngineConfig, ENGINE_BACKENDS), (RolloutConfig, ROLLOUT_BACKENDS)):
+        structure_hook, unstructure_hook = _make_backend_options_hooks(cls, kind)
+        _converter.register_structure_hook(cls, structure_hook)
+        _converter.register_unstructure_hook(cls, unstructure_hook)
 
 
 _register_hooks()

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import attrs
 
-from verl_core.config.validators import each, in_range, non_empty, non_negative, positive, unit_interval
+from verl_core.config.validators import (
+    device,
+    each,
+    in_range,
+    non_empty,
+    non_negative,
+    positive,
+    unit_interval,
+)
 
 
 @attrs.define
@@ -36,8 +45,17 @@ class OptimConfig:
     lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
     #: Final learning rate of the decay, as a fraction of ``lr``.
     min_lr_ratio: float = attrs.field(default=0.0, validator=unit_interval)
-    #: Length of the decay; the trainer fills it in from the run length when left at 0.
+    #: Length of the decay, in optimiser steps; 0: the run's length. ``load_config`` fills it in from
+    #: ``trainer.total_training_steps`` when that is set, else the trainer does from the dataset length.
     total_steps: int = attrs.field(default=0, validator=non_negative)
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        if self.lr_scheduler != "constant" and 0 < self.total_steps <= self.lr_warmup_steps:
+            yield (
+                "total_steps",
+                f"must exceed lr_warmup_steps ({self.lr_warmup_steps}): lr_scheduler {self.lr_scheduler!r} "
+                f"decays after the warmup until total_steps, got {self.total_steps}",
+            )
 
 
 @attrs.define
@@ -62,8 +80,9 @@ class EngineConfig:
     options: Any = None
     optim: OptimConfig = attrs.field(factory=OptimConfig)
     micro_batch: MicroBatchConfig = attrs.field(factory=MicroBatchConfig)
-    #: ``auto`` picks ``cuda`` when available, else ``cpu``.
-    device: str = "auto"
+    #: ``auto`` picks ``cuda`` when available, else ``cpu``; or ``cpu``, ``cuda``, ``cuda:N``, ``npu``,
+    #: ``xpu``, ``mps`` (``verl_core.config.validators.DEVICE_NAMES``).
+    device: str = attrs.field(default="auto", validator=device)
     #: Keep parameters / optimiser state on CPU outside ``train_mode()`` / ``eval_mode()``.
     param_offload: bool = False
     optimizer_offload: bool = False

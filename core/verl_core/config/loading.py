@@ -1,9 +1,9 @@
 """A run config from YAML files and dotted overrides, and back to YAML.
 
 Files merge in order (mappings key by key; lists and scalars replaced), then each override sets one
-value: ``actor.optim.lr=1e-5``, ``ref.engine=null``, ``data.train_files=[a.jsonl, b.jsonl]``,
+value: ``actor.engine.optim.lr=1e-5``, ``ref.engine=null``, ``data.train_files=[a.jsonl, b.jsonl]``,
 ``data.train_files[2]=c.jsonl`` (the index just past the end appends). Values are YAML. Every value
-remembers where it was set, so that an error names the file or the override to fix.
+remembers where it was set, so that an error (or a warning) names the file or the override to fix.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -18,9 +19,10 @@ import attrs
 import yaml
 
 from verl_core.config import yaml_io
-from verl_core.config.convert import join_path, structure, unstructure
+from verl_core.config.convert import join_path, structure_with_warnings, unstructure
+from verl_core.config.engine import EngineConfig
 from verl_core.config.run import RunConfig
-from verl_core.errors import ConfigError
+from verl_core.errors import ConfigError, ConfigWarning
 
 if TYPE_CHECKING:
     from verl_core.plugins import Registry
@@ -47,14 +49,15 @@ class Override:
 
 
 def parse_override(text: str) -> Override:
-    """Parse ``actor.optim.lr=1e-5``; raises ``ValueError`` naming the override and the fix."""
+    """Parse ``actor.engine.optim.lr=1e-5``; raises ``ValueError`` naming the override and the fix."""
     key, equals, value_text = text.partition("=")
     key = key.strip()
     if not equals:
-        raise ValueError(f"override {text!r} has no '=': write key=value, e.g. actor.optim.lr=1e-5")
+        raise ValueError(f"override {text!r} has no '=': write key=value, e.g. actor.engine.optim.lr=1e-5")
     if not _KEY.fullmatch(key):
         raise ValueError(
-            f"override {text!r}: {key!r} is not a dotted key such as actor.optim.lr or data.train_files[0]"
+            f"override {text!r}: {key!r} is not a dotted key such as actor.engine.optim.lr or "
+            "data.train_files[0]"
         )
     try:
         value = yaml_io.load(value_text)
@@ -63,6 +66,15 @@ def parse_override(text: str) -> Override:
         raise ValueError(f"override {text!r}: the value is not valid YAML ({message}); quote it") from None
     steps = tuple(int(index) if index else name for name, index in _STEP.findall(key))
     return Override(text, steps, value)
+
+
+def looks_like_key(text: str) -> bool:
+    """Whether ``text`` (given where a file or an override goes) reads as a dotted config key: it
+    starts with a section of ``RunConfig`` (``actor.engine.optim.lr``) and is no ``.yaml`` file name."""
+    if not _KEY.fullmatch(text) or text.lower().endswith((".yaml", ".yml")):
+        return False
+    sections = [field.name for field in attrs.fields(RunConfig)]
+    return _STEP.match(text).group(1) in sections
 
 
 def _format_path(steps: Iterable[Step]) -> str:
@@ -166,7 +178,10 @@ def load_config(
 
     Raises ``ConfigError`` with every problem: each at its dotted path, naming the file
     (``source``) and, where another source set the value, that file or override.
-    ``registry`` resolves engine backend names (default: the installed plugins).
+    ``registry`` resolves backend and component names (default: the installed plugins). Options
+    the run will ignore are issued as ``ConfigWarning`` s (``path: message``, where it was set).
+    Engines whose learning rate decays over ``optim.total_steps: 0`` get ``trainer.total_training_steps``
+    there, when that is set (``fill_total_steps``).
     """
     files = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
     layers = _LayeredData()
@@ -182,18 +197,56 @@ def load_config(
     if override_errors:
         raise ConfigError(override_errors, source=OVERRIDES_SOURCE)
 
+    named_by_source = files if len(files) == 1 else []
+
+    def with_origin(path: str, message: str) -> str:
+        origins = layers.origins_of(path)
+        return f"{message} (from {', '.join(origins)})" if origins and origins != named_by_source else message
+
     source = ", ".join(files) or None
     try:
-        return structure(layers.data, RunConfig, registry=registry)
+        config, ignored = structure_with_warnings(layers.data, RunConfig, registry=registry)
+        config = fill_total_steps(config)
     except ConfigError as exc:
-        named_by_source = files if len(files) == 1 else []
-        errors = []
-        for path, message in exc.errors:
-            origins = layers.origins_of(path)
-            if origins and origins != named_by_source:
-                message = f"{message} (from {', '.join(origins)})"
-            errors.append((path, message))
+        errors = [(path, with_origin(path, message)) for path, message in exc.errors]
         raise ConfigError(errors, source=source) from None
+    for path, message in ignored:
+        warnings.warn(ConfigWarning(f"{path}: {with_origin(path, message)}"), stacklevel=2)
+    return config
+
+
+#: The engine sections of a run, by path.
+ENGINE_PATHS = ("actor.engine", "ref.engine", "critic.engine")
+
+
+def fill_total_steps(config: RunConfig) -> RunConfig:
+    """``config`` with ``optim.total_steps`` of each engine whose learning rate decays (``linear``,
+    ``cosine``) and whose ``total_steps`` is 0 ("the run's length") set to
+    ``trainer.total_training_steps``, when that is set; else the trainer fills it in from the
+    dataset length. Raises ``ConfigError`` where the filled-in value leaves no decay after the warmup.
+    """
+    steps = config.trainer.total_training_steps
+    if steps is None:
+        return config
+    errors = []
+    for path in ENGINE_PATHS:
+        section, name = path.split(".")
+        engine: EngineConfig | None = getattr(getattr(config, section), name)
+        if engine is None or engine.optim.lr_scheduler == "constant" or engine.optim.total_steps != 0:
+            continue
+        optim = attrs.evolve(engine.optim, total_steps=steps)
+        errors += [
+            (
+                f"{path}.optim.{key}",
+                f"{message}, filled in from trainer.total_training_steps for total_steps: 0",
+            )
+            for key, message in optim.check()
+        ]
+        filled = attrs.evolve(getattr(config, section), **{name: attrs.evolve(engine, optim=optim)})
+        config = attrs.evolve(config, **{section: filled})
+    if errors:
+        raise ConfigError(errors)
+    return config
 
 
 def dump_yaml(obj: Any) -> str:

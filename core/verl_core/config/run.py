@@ -4,19 +4,22 @@ To extend a section, add a field with a default (and a validator from ``verl_cor
 where a range applies); to add a section, add a class here and a field to ``RunConfig``. Loading,
 overrides, error reporting and unstructuring need no other change; list the key in docs/config.md
 (a test checks the tables). Rules that relate fields go in a ``check()`` method yielding
-``(relative.path, message)``.
+``(relative.path, message)``; options that the run will ignore, given the other fields, in an
+``ignored()`` method yielding the same, which become ``ConfigWarning`` s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
 from verl_core.config.algorithm import AlgorithmConfig, CriticLossConfig, PolicyLossConfig
 from verl_core.config.engine import EngineConfig
-from verl_core.config.validators import in_range, non_empty, non_negative, positive
+from verl_core.config.names import registered
+from verl_core.config.validators import each_rule, in_range, non_empty, non_negative, positive
+from verl_core.hookspecs import REWARD_FUNCTIONS
 
 #: Advantage estimators that compare the responses to one prompt: one response per prompt
 #: leaves nothing to compare (zero advantages, or a division by zero).
@@ -58,13 +61,27 @@ class CriticConfig:
         if self.enable and self.engine is None:
             yield "engine", "required when critic.enable is true: give it backend and model like actor.engine"
 
+    def ignored(self) -> Iterator[tuple[str, str]]:
+        if self.engine is not None and not self.enable:
+            yield (
+                "engine",
+                "ignored: critic.enable is false, so no critic is trained; set critic.enable=true to "
+                "train one, or remove critic.engine",
+            )
+
 
 @attrs.define
 class RolloutConfig:
-    """The ``rollout`` section: how responses are generated."""
+    """The ``rollout`` section: how responses are generated, and by which rollout backend.
 
-    #: Name of a registered rollout backend (``verl-core plugins`` lists them).
+    Like an engine section, the backend's own options sit under a key named after it (``hf: {...}``)
+    and are structured into its config class (``RolloutBackend.config``).
+    """
+
+    #: Name of a registered rollout backend (``verl-core plugins --all`` lists them).
     backend: str = "hf"
+    #: The backend's own options: an instance of its config class; ``None`` (in Python): its defaults.
+    options: Any = None
     #: Responses per prompt.
     n: int = attrs.field(default=1, validator=positive)
     temperature: float = attrs.field(default=1.0, validator=positive)
@@ -117,6 +134,29 @@ class TrainerConfig:
                 "required when resume_mode is 'resume_path': set the checkpoint to resume",
             )
 
+    def ignored(self) -> Iterator[tuple[str, str]]:
+        if self.resume_from_path and self.resume_mode != "resume_path":
+            yield (
+                "resume_from_path",
+                f"ignored: resume_mode is {self.resume_mode!r}; set trainer.resume_mode=resume_path to "
+                "resume from this checkpoint, or remove it",
+            )
+
+
+@attrs.define
+class RewardConfig:
+    """The ``reward`` section: how generated responses are scored.
+
+    ``function`` is checked when the config loads without running or importing anything: a name is
+    looked up in the registry, a file is parsed for the function.
+    """
+
+    #: A registered reward function (``verl-core plugins --all``), or a function in your own file,
+    #: ``path/to/file.py:function_name`` (a relative path is relative to the working directory).
+    function: str = registered(REWARD_FUNCTIONS, "exact_match", files=True)
+    #: A reward function that raises: ``fail`` stops the run naming the sample; ``zero`` scores it 0.
+    on_error: Literal["fail", "zero"] = "fail"
+
 
 @attrs.define
 class RunConfig:
@@ -126,6 +166,7 @@ class RunConfig:
     ref: RefConfig = attrs.field(factory=RefConfig)
     critic: CriticConfig = attrs.field(factory=CriticConfig)
     rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
+    reward: RewardConfig = attrs.field(factory=RewardConfig)
     algorithm: AlgorithmConfig = attrs.field(factory=AlgorithmConfig)
     data: DataConfig = attrs.field(factory=DataConfig)
     trainer: TrainerConfig = attrs.field(factory=TrainerConfig)
@@ -135,22 +176,45 @@ class RunConfig:
         """The reference policy's engine config: ``ref.engine``, or else the actor's."""
         return self.ref.engine if self.ref.engine is not None else self.actor.engine
 
+    @property
+    def uses_kl(self) -> bool:
+        """Whether a KL term to the reference policy is on (in the loss or in the reward)."""
+        return self.actor.policy_loss.use_kl_loss or self.algorithm.use_kl_in_reward
+
     def check(self) -> Iterator[tuple[str, str]]:
+        # Independent rules: each runs on what structured, even when another section has errors.
+        yield from each_rule(
+            self._mini_batches_divide_the_batch, self._groups_to_compare, self._gae_has_a_critic
+        )
+
+    def _mini_batches_divide_the_batch(self) -> Iterator[tuple[str, str]]:
         batch, mini_batch = self.data.train_batch_size, self.actor.ppo_mini_batch_size
         if batch % mini_batch:
             yield (
                 "actor.ppo_mini_batch_size",
                 f"must divide data.train_batch_size ({batch}) into whole mini-batches, got {mini_batch}",
             )
+
+    def _groups_to_compare(self) -> Iterator[tuple[str, str]]:
         estimator = self.algorithm.adv_estimator
         if estimator in GROUP_ESTIMATORS and self.rollout.n < 2:
             yield (
                 "rollout.n",
                 f"adv_estimator '{estimator}' compares the responses to each prompt: set rollout.n >= 2",
             )
-        if estimator == "gae" and not self.critic.enable:
+
+    def _gae_has_a_critic(self) -> Iterator[tuple[str, str]]:
+        if self.algorithm.adv_estimator == "gae" and not self.critic.enable:
             yield (
                 "critic.enable",
                 "adv_estimator 'gae' needs a critic's values: set critic.enable=true and a critic.engine, "
                 "or choose an estimator without a critic (algorithm.adv_estimator=grpo)",
+            )
+
+    def ignored(self) -> Iterator[tuple[str, str]]:
+        if self.ref.engine is not None and not self.uses_kl:
+            yield (
+                "ref.engine",
+                "ignored: no KL term is on (actor.policy_loss.use_kl_loss and algorithm.use_kl_in_reward "
+                "are false), so no reference policy runs; turn one on, or remove ref.engine",
             )

@@ -6,15 +6,20 @@ after structuring and reports each failure at the field's full dotted path, all 
 config classes of plugins may use them too.
 
 Rules that relate several fields belong in a ``check()`` method of the class instead (see
-docs/config.md).
+docs/config.md); ``each_rule`` runs several independent rules so that one whose inputs did not
+structure does not stop the others.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import difflib
+import re
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import attrs
+
+from verl_core.descriptors import DEVICES
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
@@ -83,3 +88,74 @@ non_negative = at_least(0)
 unit_interval = in_range(0, 1)
 #: A string with at least one character: paths, names.
 non_empty = _bound("non-empty", lambda value: len(value) > 0)
+
+
+def one_of(names: Iterable[str], what: str, note: str = "") -> Validator:
+    """Require one of ``names``; the message names ``what`` is unknown, the close match and the choices.
+
+    ``note`` follows the list of choices (``each also with a '+' suffix``). Unlike a ``Literal`` type,
+    the message can say what the names mean; use it for long or open-ended lists of names.
+    """
+    choices = tuple(names)
+
+    def validate(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if value not in choices:
+            raise InvalidValue(attribute.name, unknown_choice_message(what, value, choices, note))
+
+    return validate
+
+
+def unknown_choice_message(what: str, value: Any, choices: Iterable[str], note: str = "") -> str:
+    """``unknown KL estimator 'k4' (did you mean 'k1'?); use one of kl, k1, ...``."""
+    choices = list(choices)
+    match = difflib.get_close_matches(value, choices, n=1) if isinstance(value, str) else []
+    suggestion = f" (did you mean {match[0]!r}?)" if match else ""
+    listed = ", ".join(choices) + (f"; {note}" if note else "")
+    return f"unknown {what} {value!r}{suggestion}; use one of {listed}"
+
+
+#: What a ``device`` option accepts, as its messages list it: ``auto`` and the device types of
+#: ``verl_core.descriptors.DEVICES``, ``cuda`` also with a GPU index (``cuda:N``).
+DEVICE_NAMES: tuple[str, ...] = (
+    "auto",
+    *(name for kind in DEVICES for name in ((kind, "cuda:N") if kind == "cuda" else (kind,))),
+)
+_DEVICE = re.compile("|".join(["auto", *map(re.escape, DEVICES), r"cuda:\d+"]))
+
+
+def device(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """Require a device an engine can compute on: ``auto`` (``cuda`` when available, else ``cpu``),
+    a device type of ``verl_core.descriptors.DEVICES``, or ``cuda:N``. Checked without importing
+    torch: whether the device exists on this machine is checked when the engine is built."""
+    if not (isinstance(value, str) and _DEVICE.fullmatch(value)):
+        raise InvalidValue(attribute.name, unknown_choice_message("device", value, DEVICE_NAMES))
+
+
+def is_unstructured(error: BaseException) -> bool:
+    """Whether ``error`` is the ``AttributeError`` of reading a field that did not structure.
+
+    A section with errors is still handed to the rules of the sections around it, holding only the
+    fields whose values are valid; a rule that reads one of the others raises this. Its inputs'
+    errors are reported already, so the rule is skipped rather than run on a guess.
+    """
+    owner = getattr(error, "obj", None)
+    return (
+        isinstance(error, AttributeError)
+        and attrs.has(type(owner))
+        and getattr(error, "name", None) in attrs.fields_dict(type(owner))
+    )
+
+
+def each_rule(*rules: Callable[[], Iterable[tuple[str, str]]]) -> Iterator[tuple[str, str]]:
+    """What a ``check()`` of several independent rules yields: each rule's ``(path, message)`` pairs.
+
+    A rule that reads a field which did not structure (see ``is_unstructured``) is skipped, and the
+    next one still runs: ``RunConfig.check`` reports the mini-batch rule even when ``algorithm``
+    has an error of its own.
+    """
+    for rule in rules:
+        try:
+            yield from rule()
+        except AttributeError as error:
+            if not is_unstructured(error):
+                raise

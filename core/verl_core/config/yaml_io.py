@@ -88,7 +88,8 @@ def load(text: str) -> Any:
 def load_file(path: str) -> dict[str, Any]:
     """The mapping in the YAML file ``path``; an empty file is ``{}``.
 
-    Raises ``ConfigError`` naming the file (and the line, for a syntax error).
+    Raises ``ConfigError`` naming the file (and the line, for a syntax error; the byte offset, for a
+    file that is not UTF-8).
     """
     try:
         with open(path, encoding="utf-8") as stream:
@@ -97,6 +98,13 @@ def load_file(path: str) -> dict[str, Any]:
         raise ConfigError(
             [("", f"cannot read the config file: {exc.strerror or exc}")], source=path
         ) from None
+    except UnicodeDecodeError as exc:
+        byte = exc.object[exc.start : exc.start + 1].hex()
+        message = (
+            f"the config file is not UTF-8 text: byte 0x{byte} at offset {exc.start} is not valid UTF-8 "
+            f"({exc.reason}); save the file as UTF-8"
+        )
+        raise ConfigError([("", message)], source=path) from None
     except yaml.YAMLError as exc:
         raise ConfigError([("", syntax_error_message(exc))], source=path) from None
     if data is None:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from verl_core.descriptors import is_file_spec
 from verl_core.errors import RewardError
 from verl_core.hookspecs import REWARD_FUNCTIONS
 from verl_core.plugins import Registry, get_registry
@@ -38,12 +39,6 @@ _FORMS = (
     "a registered name ('exact_match'; `verl-core plugins --all` lists them) or a function in your "
     "file, 'path/to/file.py:function_name'"
 )
-
-
-def is_file_spec(spec: str) -> bool:
-    """Whether ``spec`` names a function in a file: the part before its last ``:`` ends with ``.py``."""
-    path, colon, _ = spec.rpartition(":")
-    return bool(colon) and path.endswith(".py")
 
 
 def load_reward_function(spec: str, registry: Registry | None = None) -> Callable[..., Any]:

@@ -1,0 +1,141 @@
+"""Names in a config that select what plugins provide, resolved while the config loads.
+
+A field declared with ``registered(kind, default)`` holds the name of a descriptor of a registry kind
+(``verl_core.hookspecs``: advantage estimators, policy losses, reward functions, ...). ``structure``
+looks each one up in the registry and reports an unknown, conflicting or broken name at the field's
+full path, as one line with what the registry says (the installed names, the close match, the
+fix), before anything runs. Nothing is imported: the registry checks its descriptors without
+importing them, and a function in a user's file (``path/to/file.py:function``, where a field
+allows it) is found by parsing the file.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import os
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from verl_core.descriptors import is_file_spec
+from verl_core.errors import VerlCoreError
+
+if TYPE_CHECKING:
+    from verl_core.plugins import Registry
+
+#: Key of ``Registered`` in an ``attrs.field``'s metadata.
+METADATA_KEY = "verl_core.registered"
+#: How a user file's function is written, in messages.
+FILE_SPEC_FORM = "path/to/file.py:function_name"
+
+
+@attrs.frozen
+class Registered:
+    """Field metadata: the field names a descriptor of registry ``kind``.
+
+    ``files``: a user's file ``path/to/file.py:function_name`` is accepted too (``is_file_spec``).
+    """
+
+    kind: str
+    files: bool = False
+
+
+def registered(kind: str, default: str, *, files: bool = False) -> Any:
+    """An ``attrs.field`` naming a descriptor of registry ``kind``, checked by ``structure``.
+
+    A config built in Python is not looked up (that needs the registry); the consumer's own lookup
+    (``Registry.get``) reports a bad name then.
+    """
+    return attrs.field(default=default, metadata={METADATA_KEY: Registered(kind, files)})
+
+
+def one_line(error: BaseException) -> str:
+    """A registry error as one line of a config error: its lines joined, nothing dropped."""
+    return " ".join(str(error).splitlines())
+
+
+def name_problem(registry: Registry, spec: Registered, value: str) -> str | None:
+    """Why ``value`` does not resolve as ``spec`` says, in one line; ``None`` when it does."""
+    if spec.files and is_file_spec(value):
+        return file_function_problem(value)
+    if spec.files and value.endswith(".py"):
+        return f"names a file but no function in it: write '{value}:function_name'"
+    try:
+        registry.get(spec.kind, value)
+    except VerlCoreError as error:
+        message = one_line(error)
+        if spec.files:
+            message += f" Or name a function in your own file: {FILE_SPEC_FORM}."
+        return message
+    return None
+
+
+# -- functions in user files ------------------------------------------------------------------------
+
+
+def top_level_names(tree: ast.Module) -> tuple[list[str], list[str]]:
+    """``(functions, every name)`` bound at the top level of a module, in source order.
+
+    Names bound inside top-level ``if``, ``try`` and ``with`` blocks count (a fallback definition);
+    names inside functions and classes do not.
+    """
+    functions: list[str] = []
+    bound: list[str] = []
+    statements = list(tree.body)
+    while statements:
+        node = statements.pop(0)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            functions.append(node.name)
+            bound.append(node.name)
+        elif isinstance(node, ast.ClassDef):
+            bound.append(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            bound += [
+                name.id for target in targets for name in ast.walk(target) if isinstance(name, ast.Name)
+            ]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound += [(alias.asname or alias.name).partition(".")[0] for alias in node.names]
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            handlers = [handler.body for handler in getattr(node, "handlers", [])]
+            blocks = [node.body, getattr(node, "orelse", []), *handlers, getattr(node, "finalbody", [])]
+            statements[:0] = [statement for block in blocks for statement in block]
+    return functions, bound
+
+
+def file_function_problem(spec: str) -> str | None:
+    """Why ``path/to/file.py:function`` names no function, found without importing the file.
+
+    The file must exist and parse, and bind ``function`` at its top level (a ``def``, an assignment
+    or an import). A relative path is relative to the current working directory and ``~`` is the
+    home directory, as when the run imports it (``verl_core.reward.load_reward_function``).
+    """
+    path, _, name = spec.rpartition(":")
+    file = os.path.expanduser(path)
+    where = (
+        file if os.path.isabs(file) else f"{path} (relative to the current working directory, {os.getcwd()})"
+    )
+    if not name.isidentifier():
+        return f"{name!r} after the last ':' is not a function name: write {FILE_SPEC_FORM}"
+    if not os.path.exists(file):
+        return f"no such file: {where}; write {FILE_SPEC_FORM}"
+    if not os.path.isfile(file):
+        return f"not a file: {where}; write {FILE_SPEC_FORM}"
+    try:
+        with open(file, "rb") as stream:
+            tree = ast.parse(stream.read(), filename=file)
+    except OSError as error:
+        return f"cannot read {where}: {error.strerror or error}"
+    except (SyntaxError, ValueError) as error:  # ValueError: null bytes in the source
+        line = f" at line {error.lineno}" if getattr(error, "lineno", None) else ""
+        return f"{file} is not valid Python{line}: {getattr(error, 'msg', None) or error}"
+    functions, bound = top_level_names(tree)
+    if name in bound:
+        return None
+    match = difflib.get_close_matches(name, bound, n=1)
+    suggestion = f" (did you mean {match[0]!r}?)" if match else ""
+    defined = ", ".join(functions) if functions else "none"
+    return (
+        f"{file} defines no top-level function or assignment {name!r}{suggestion}; its functions: {defined}"
+    )

@@ -32,7 +32,7 @@ from verl_core.data.batch import (
     attach_global_counts,
     compute_global_counts,
 )
-from verl_core.engine import TEMPERATURE
+from verl_core.engine import TEMPERATURE, build_lr_scheduler, export_hf_model
 from verl_core.errors import UnknownNameError
 from verl_core.testing import run_conformance
 from verl_core.testing.checks import BASE_OPTIM
@@ -114,6 +114,44 @@ class UnfinishedPortEngine(DDPEngine):
         raise NotImplementedError("HF export is not ported yet")
 
 
+class ForgetfulSchedulerEngine(DDPEngine):
+    """Restores weights and AdamW state from a checkpoint but not the LR scheduler's state: the
+    optimiser's ``param_groups`` carry the saved rate, so only the step after next shows it."""
+
+    def load_checkpoint(self, path):
+        fresh = self.lr_scheduler.state_dict()
+        step = super().load_checkpoint(path)
+        self.lr_scheduler.load_state_dict(fresh)
+        return step
+
+
+class InnerOptimizerSchedulerEngine(DDPEngine):
+    """A ZeRO-style wrapper whose LR scheduler drives an inner optimiser, not the one that steps: the
+    rate the engine uses and reports stays at its first value."""
+
+    def initialize(self):
+        super().initialize()
+        inner = torch.optim.AdamW(self.module.parameters(), lr=self.config.optim.lr)
+        self.lr_scheduler = build_lr_scheduler(inner, self.config.optim)
+
+
+class LazyOffloadEngine(DDPEngine):
+    """``to()`` moves parameters and gradients but never the optimiser state."""
+
+    def to(self, device, model=True, optimizer=True, grad=True):
+        super().to(device, model=model, optimizer=False, grad=grad)
+
+
+class UnsyncedExportEngine(DDPEngine):
+    """Writes the Hugging Face export on rank 0 (slowly, as on a network file system) with no barrier:
+    the other ranks return before the export exists."""
+
+    def save_hf_model(self, path):
+        if self.dp_rank == 0:
+            time.sleep(3)
+            export_hf_model(self.module, path, tokenizer_source=self.config.model.path)
+
+
 class HangingEngine(DDPEngine):
     """Never finishes initialising (a rendezvous that never completes)."""
 
@@ -126,6 +164,10 @@ BROKEN_ENGINES = {
     "ddp-wrapped-names": WrappedNamesEngine,
     "ddp-forgetful-checkpoint": ForgetfulCheckpointEngine,
     "ddp-unfinished-port": UnfinishedPortEngine,
+    "ddp-forgetful-scheduler": ForgetfulSchedulerEngine,
+    "ddp-inner-optimizer-scheduler": InnerOptimizerSchedulerEngine,
+    "ddp-lazy-offload": LazyOffloadEngine,
+    "ddp-unsynced-export": UnsyncedExportEngine,
     "ddp-hanging": HangingEngine,
 }
 
@@ -182,9 +224,54 @@ def test_checkpoint_without_optimizer_state_is_caught() -> None:
     assert report["first_step"].passed, report.summary()
     outcome = report["checkpoint"]
     assert outcome.status == "failed", report.summary()
-    # Step 2's loss and gradient come before the optimiser step; its result is what differs.
-    assert failing_quantities(report, "checkpoint") == ["parameters after step 2 values"], report.summary()
+    failing = failing_quantities(report, "checkpoint")
+    # Step 3's loss and gradient come before the optimiser step; its result is the first to differ.
+    assert "parameters after step 3 values" in failing and "step 3 loss" not in failing, report.summary()
     assert "differ from the uninterrupted run" in outcome.describe()
+
+
+@pytest.mark.distributed
+def test_scheduler_state_not_restored_is_caught_at_the_step_after_next() -> None:
+    report = run_broken("ddp-forgetful-scheduler", 1, ("checkpoint", "lr_schedule"))
+    assert report["lr_schedule"].passed, report.summary()  # an uninterrupted run is fine
+    failing = failing_quantities(report, "checkpoint")
+    # The optimiser's param_groups carry step 3's rate; the fresh scheduler then sets a wrong one.
+    assert "step 3 lr" not in failing and "step 4 lr" in failing, report.summary()
+
+
+@pytest.mark.distributed
+def test_scheduler_on_another_optimizer_is_caught_by_the_schedule_check() -> None:
+    report = run_broken("ddp-inner-optimizer-scheduler", 1, ("lr_schedule", "first_step"))
+    assert report["first_step"].passed, report.summary()  # a constant rate hides it
+    failing = failing_quantities(report, "lr_schedule")
+    assert "step 1: lr" not in failing and "step 2: lr" in failing and "step 3: lr" in failing, failing
+    assert "step 2: parameters values" in failing, failing
+
+
+@pytest.mark.distributed
+def test_offload_on_the_cpu_is_reported_as_not_exercised() -> None:
+    report = run_broken("ddp-lazy-offload", 1, ("offload",))
+    outcome = report["offload"]
+    assert outcome.status == "skipped", report.summary()
+    assert "not exercised: the engine computes on the CPU" in outcome.describe()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: on the CPU offloading moves nothing")
+def test_offload_that_keeps_the_optimizer_state_on_the_device_is_caught() -> None:
+    report = run_conformance(
+        "ddp-lazy-offload", 1, plugins=[THIS_PLUGIN], autoload=False, checks=("offload",), device="cuda"
+    )
+    failing = failing_quantities(report, "offload")
+    assert 'to("cpu", optimizer=True) frees the optimiser state' in failing, report.summary()
+
+
+@pytest.mark.distributed
+def test_an_export_that_other_ranks_do_not_wait_for_is_caught() -> None:
+    report = run_broken("ddp-unsynced-export", 2, ("hf_export",))
+    failing = failing_quantities(report, "hf_export")
+    assert failing == ["export present when save_hf_model returns"], report.summary()
+    assert "[rank 1]" in report["hf_export"].describe() and "[rank 0]" not in report["hf_export"].describe()
 
 
 @pytest.mark.distributed

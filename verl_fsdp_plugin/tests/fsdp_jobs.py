@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from verl_core.config.engine import MicroBatchConfig
 from verl_core.plugins import Registry
 from verl_core.testing.checks import (
-    CHECKPOINT_OPTIM,
+    SCHEDULE_OPTIM,
     STEP_PARAM_TOLERANCE,
     RankContext,
     exported,
@@ -309,7 +309,7 @@ def export_gathers_one_tensor_at_a_time(ctx: RankContext) -> None:
 
 def checkpoint_at_two_ranks(ctx: RankContext) -> None:
     """Step 1, save (for the 1-rank job to load), step 2; record what the resumed run must match."""
-    engine = ctx.engine(optim=CHECKPOINT_OPTIM)
+    engine = ctx.engine(optim=SCHEDULE_OPTIM)
     train_step(engine, ctx.local_batch("A"))
     engine.save_checkpoint(str(ctx.workdir / CHECKPOINT), global_step=1)
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -339,7 +339,7 @@ def resumes_checkpoint_of_two_ranks(ctx: RankContext) -> None:
     and the next step on the whole batch matches the 2-rank continuation."""
     saved = torch.load(ctx.workdir / SAVED_STATE, weights_only=False)
     continued = torch.load(ctx.workdir / CONTINUED, weights_only=False)
-    engine = ctx.engine(optim=CHECKPOINT_OPTIM)
+    engine = ctx.engine(optim=SCHEDULE_OPTIM)
     step = engine.load_checkpoint(str(ctx.workdir / CHECKPOINT))
     assert step == 1, step
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -17,7 +17,7 @@ import torch
 
 from verl_core.config import EngineConfig, ModelConfig
 from verl_core.engine import build_engine
-from verl_core.testing.checks import CHECKPOINT_OPTIM
+from verl_core.testing.checks import SCHEDULE_OPTIM
 
 pytestmark = pytest.mark.distributed
 
@@ -102,7 +102,7 @@ def test_checkpoint_saved_at_two_ranks_loads_without_a_process_group(fsdp_jobs, 
     config = EngineConfig(
         backend="fsdp",
         model=ModelConfig(path=str(workdir / "model" / "lm")),
-        optim=CHECKPOINT_OPTIM,
+        optim=SCHEDULE_OPTIM,
         device="cpu",
     )
     engine = build_engine(config)

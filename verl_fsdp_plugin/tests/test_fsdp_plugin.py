@@ -4,8 +4,6 @@ trip), the layout's configuration errors, the engine's guards, and the unsharded
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +14,6 @@ from transformers import AutoModelForCausalLM
 
 from verl_core.config import EngineConfig, ModelConfig, OptimConfig, structure, unstructure
 from verl_core.engine import build_engine
-from verl_core.engine.checkpoint import CheckpointError, atomic_checkpoint
 from verl_core.errors import ConfigError
 from verl_core.plugins import Registry
 from verl_core.testing.losses import policy_loss_fn
@@ -38,52 +35,7 @@ def engine_config(model_dir: str, **fields) -> EngineConfig:
     return EngineConfig(backend="fsdp", model=ModelConfig(path=model_dir), device="cpu", **fields)
 
 
-# -- the plugin -------------------------------------------------------------------------------------
-
-
-def test_backend_is_discovered_through_the_entry_point(registry) -> None:
-    backend = registry.get("engine_backends", "fsdp")
-    assert backend.load_engine() is FSDPEngine and backend.load_config() is FSDPConfig
-    assert backend.roles == ("lm", "value") and backend.devices == ("cpu", "cuda")
-    (entry,) = [entry for entry in registry.entries("engine_backends") if entry.name == "fsdp"]
-    assert (entry.plugin, entry.distribution, entry.version, entry.status) == (
-        "fsdp",
-        "verl-fsdp-plugin",
-        "0.1.0",
-        "ok",
-    )
-
-
-def test_listing_the_plugin_does_not_import_torch() -> None:
-    script = (
-        "import sys\n"
-        "from verl_core.plugins import get_registry\n"
-        "backend = get_registry().get('engine_backends', 'fsdp')\n"
-        "assert backend.engine == 'verl_fsdp.engine:FSDPEngine', backend\n"
-        "backend.load_config()\n"  # the options class is light too: configs load before any engine
-        "heavy = sorted(m for m in ('torch', 'transformers', 'verl_fsdp.engine') if m in sys.modules)\n"
-        "assert not heavy, heavy\n"
-    )
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
-
-
-# -- options ----------------------------------------------------------------------------------------
-
-
-def test_options_come_from_the_backend_section_of_a_config(registry) -> None:
-    data = {
-        "backend": "fsdp",
-        "model": {"path": "m"},
-        "fsdp": {
-            "param_dtype": "bfloat16",
-            "reduce_dtype": "float32",
-            "shard_modules": ["Qwen2DecoderLayer"],
-        },
-    }
-    config = structure(data, EngineConfig, "actor.engine", registry=registry)
-    assert config.options == FSDPConfig(
-        param_dtype="bfloat16", reduce_dtype="float32", shard_modules=("Qwen2DecoderLayer",)
-    )
+# -- options (their structuring from a config section is core's PluginContract, test_fsdp_package.py) --
 
 
 def test_option_errors_name_their_full_path(registry) -> None:
@@ -119,7 +71,7 @@ class_names = st.from_regex(r"[A-Z][A-Za-z0-9_]{0,15}", fullmatch=True)
     cpu_offload=st.booleans(),
     shard_modules=st.lists(class_names, max_size=3).map(tuple),
 )
-def test_options_round_trip_through_plain_data(
+def test_every_combination_of_options_round_trips_through_plain_data(
     registry, reshard, param_dtype, reduce_dtype, cpu_offload, shard_modules
 ) -> None:
     options = FSDPConfig(reshard, param_dtype, reduce_dtype, cpu_offload, shard_modules)
@@ -177,18 +129,7 @@ def test_offload_policy_pins_memory_only_with_a_device() -> None:
     assert type(sharding.offload_policy(FSDPConfig(), "cuda")) is torch.distributed.fsdp.OffloadPolicy
 
 
-# -- the engine's guards and the single-process path -------------------------------------------------
-
-
-def test_engine_refuses_foreign_options_and_use_before_initialize(tiny_models) -> None:
-    with pytest.raises(
-        ConfigError,
-        match=r"engine\.options: expected an instance of verl_fsdp\.config\.FSDPConfig.*got builtins\.dict",
-    ):
-        FSDPEngine(engine_config(tiny_models.lm, options={"cpu_offload": True}))
-    engine = FSDPEngine(engine_config(tiny_models.lm))
-    with pytest.raises(RuntimeError, match=r"not initialised: call initialize\(\) first"):
-        engine.infer_batch(collate(make_samples(0)[:2]))
+# -- the single-process path -----------------------------------------------------------------------------
 
 
 def test_options_that_need_fsdp_are_refused_without_a_process_group(tiny_models) -> None:
@@ -232,14 +173,3 @@ def test_checkpoint_saved_before_the_first_step_resumes_exactly(registry, tiny_m
     for engine in (saved, resumed):
         for name, tensor in weights_after_a_step(engine).items():
             torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
-
-
-def test_checkpoint_of_another_backend_is_refused(registry, tiny_models, tmp_path) -> None:
-    engine = build_engine(engine_config(tiny_models.lm), registry=registry)
-    engine.initialize()
-    with atomic_checkpoint(tmp_path / "ddp_ckpt", global_step=4, backend="ddp"):
-        pass
-    with pytest.raises(
-        CheckpointError, match=r"saved by engine backend 'ddp'.*resume with engine\.backend=ddp"
-    ):
-        engine.load_checkpoint(str(tmp_path / "ddp_ckpt"))

@@ -150,25 +150,25 @@ def reading_checkpoint(directory: str | os.PathLike, model: str | None = None) -
     """
     try:
         yield
-    except CheckpointError:
+    except (CheckpointError, KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
-    except FileNotFoundError as error:
-        missing = error.filename or error
-        raise CheckpointError(
-            f"damaged checkpoint at {directory}: {missing} is missing although the checkpoint is marked "
-            "complete (copied partially, or files deleted); resume from another checkpoint"
-        ) from error
-    except RuntimeError as error:
-        text = str(error)
-        if "size mismatch" in text or "Missing key" in text or "Unexpected key" in text:
-            first_lines = " ".join(text.splitlines()[:3])
-            raise CheckpointError(
-                f"the checkpoint at {directory} is of another model than {model or 'this engine'}: "
-                f"{first_lines[:400]}; resume with the model it was saved from, or start a new run"
-            ) from error
-        raise _unreadable(directory, error) from error
-    except (OSError, EOFError, pickle.UnpicklingError, ValueError, KeyError) as error:
-        raise _unreadable(directory, error) from error
+    except BaseException as error:  # torch's distributed CheckpointException derives from BaseException
+        raise _classify(directory, model, error) from error
+
+
+def _classify(directory: str | os.PathLike, model: str | None, error: BaseException) -> CheckpointError:
+    if isinstance(error, FileNotFoundError):
+        return CheckpointError(
+            f"damaged checkpoint at {directory}: {error.filename or error} is missing although the checkpoint "
+            "is marked complete (copied partially, or files deleted); resume from another checkpoint"
+        )
+    text = " ".join(str(error).split())
+    if any(sign in text.lower() for sign in ("size mismatch", "missing key", "unexpected key", "shape")):
+        return CheckpointError(
+            f"the checkpoint at {directory} is of another model than {model or 'this engine'}: {text[:400]}; "
+            "resume with the model it was saved from, or start a new run"
+        )
+    return _unreadable(directory, error)
 
 
 def load_model_state(

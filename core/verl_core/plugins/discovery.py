@@ -97,6 +97,11 @@ def _normalize_dist(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def same_distribution(a: str, b: str) -> bool:
+    """Whether two distribution names name one distribution (``Verl_DDP`` and ``verl-ddp`` do)."""
+    return _normalize_dist(a) == _normalize_dist(b)
+
+
 class PluginManager(pluggy.PluginManager):
     """pluggy's manager for the ``verl_core`` project, plus a record of every plugin found.
 

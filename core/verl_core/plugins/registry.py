@@ -24,7 +24,13 @@ from verl_core.errors import (
     UnknownNameError,
 )
 from verl_core.plugins import messages
-from verl_core.plugins.discovery import HookKind, PluginInfo, PluginManager, get_plugin_manager
+from verl_core.plugins.discovery import (
+    HookKind,
+    PluginInfo,
+    PluginManager,
+    get_plugin_manager,
+    same_distribution,
+)
 
 #: ``ok``: resolvable; ``incompatible``: targets another engine API version; ``conflict``: another
 #: plugin provides the same name; ``overridden``: another plugin replaced it with ``override=True``;
@@ -227,7 +233,7 @@ class Registry:
             loaded = [
                 info
                 for info in self.plugin_manager.infos
-                if info.distribution and _same_dist(info.distribution, distribution)
+                if info.distribution and same_distribution(info.distribution, distribution)
             ]
             hint = messages.first_party_hint(
                 kind.label, hinted, distribution, extra, loaded, self.plugin_manager.autoload
@@ -241,10 +247,6 @@ class Registry:
         error = UnknownNameError("\n".join(lines))
         error.__cause__ = next((info.exception for info in broken if info.exception is not None), None)
         return error
-
-
-def _same_dist(a: str, b: str) -> bool:
-    return a.replace("_", "-").lower() == b.replace("_", "-").lower()
 
 
 def _resolve(kind: HookKind, group: list[Entry]) -> list[Entry]:

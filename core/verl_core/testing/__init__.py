@@ -1,8 +1,11 @@
 """The engine conformance kit: does an engine backend compute what a plain PyTorch model computes?
 
-For a plugin's tests, subclass ``EngineConformance`` (pytest); programmatically, call
-``run_conformance(backend, world_size, ...) -> ConformanceReport``. docs/conformance.md explains
-every check, its tolerances, and how to read a failure.
+For a plugin's tests, subclass ``EngineConformance`` (pytest) for the engine and ``PluginContract``
+for the distribution; programmatically, call ``run_conformance(backend, world_size, ...) ->
+ConformanceReport``. The kit's material is public for authors' own tests: the tiny models and
+batches (``save_tiny_models``, ``make_samples``, ``collate``), the reference and its loss functions,
+and ``spawn`` for tests on several ranks. docs/conformance.md explains every check, its tolerances,
+how to read a failure, and each of these names.
 
 Imports are lazy: spawned ranks import ``verl_core.testing.runner`` without pulling in pytest.
 """
@@ -10,13 +13,37 @@ Imports are lazy: spawned ranks import ``verl_core.testing.runner`` without pull
 from verl_core.lazy import lazy_exports
 
 _EXPORTS = {
+    # pytest bases for a plugin's own tests
     "EngineConformance": "verl_core.testing.suite",
+    "PluginContract": "verl_core.testing.contract",
     "assert_check": "verl_core.testing.suite",
     "run_conformance": "verl_core.testing.runner",
     "ConformanceReport": "verl_core.testing.report",
     "CheckOutcome": "verl_core.testing.report",
     "Comparison": "verl_core.testing.report",
     "CHECKS": "verl_core.testing.checks",
+    # the kit's material, for authors' own tests
+    "TinyModelSpec": "verl_core.testing.tiny",
+    "ModelDirs": "verl_core.testing.tiny",
+    "save_tiny_models": "verl_core.testing.tiny",
+    "Sample": "verl_core.testing.tiny",
+    "make_samples": "verl_core.testing.tiny",
+    "collate": "verl_core.testing.tiny",
+    "shard": "verl_core.testing.tiny",
+    "response_token_mask": "verl_core.testing.tiny",
+    "policy_loss_fn": "verl_core.testing.losses",
+    "value_loss_fn": "verl_core.testing.losses",
+    "policy_token_loss": "verl_core.testing.losses",
+    "value_token_loss": "verl_core.testing.losses",
+    "load_reference_model": "verl_core.testing.reference",
+    "reference_outputs": "verl_core.testing.reference",
+    "reference_step": "verl_core.testing.reference",
+    "reference_steps": "verl_core.testing.reference",
+    "scheduled_lr": "verl_core.testing.reference",
+    # running distributed tests
+    "spawn": "verl_core.testing.spawn",
+    "Rank": "verl_core.testing.spawn",
+    "SpawnError": "verl_core.testing.spawn",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -9,6 +9,7 @@ where a check gathers from all ranks on purpose. ``CHECKS`` lists them in the or
 from __future__ import annotations
 
 import copy
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from tensordict import TensorDict
 
 from verl_core.config.engine import EngineConfig, MicroBatchConfig, ModelConfig, OptimConfig
 from verl_core.engine.base import COMPUTE_ENTROPY, TEMPERATURE, BaseEngine
+from verl_core.engine.checkpoint import MARKER_FILE
 from verl_core.testing import reference
 from verl_core.testing.losses import TEMPERATURE as KIT_TEMPERATURE
 from verl_core.testing.losses import policy_loss_fn, value_loss_fn
@@ -31,7 +33,16 @@ from verl_core.testing.report import (
     compare_state_dicts,
     compare_tensors,
 )
-from verl_core.testing.tiny import ModelDirs, Sample, collate, make_samples, response_token_mask, shard
+from verl_core.testing.tiny import (
+    ModelDirs,
+    Sample,
+    TinyModelSpec,
+    collate,
+    make_samples,
+    response_token_mask,
+    save_tiny_models,
+    shard,
+)
 
 # -- tolerances (fp32 on CPU; measured differences against the reference are ~10x smaller) -------
 
@@ -54,13 +65,21 @@ STEP_PARAM_TOLERANCE = Tolerance(atol=1e-6, rtol=0.0)
 BASE_OPTIM = OptimConfig(lr=1e-3, betas=(0.9, 0.999), eps=1e-4, weight_decay=0.1, clip_grad=1.0)
 #: Two sequences per micro-batch: the base engine already accumulates gradients.
 BASE_MICRO_BATCH = MicroBatchConfig(micro_batch_size=2)
-#: A schedule whose rate changes between step 1 and step 2 (0.5e-3 then 1e-3), so a checkpoint
-#: that loses the scheduler's state is caught.
-CHECKPOINT_OPTIM = attrs.evolve(BASE_OPTIM, lr_warmup_steps=2, lr_scheduler="linear", total_steps=6)
+#: A schedule whose rate changes at every step (linear decay without warmup: 1e-3, 0.84e-3, 0.68e-3,
+#: 0.52e-3, ...), so a scheduler that is not stepped, stepped on another optimiser, or not restored
+#: from a checkpoint gives another rate within the steps the checks compare.
+SCHEDULE_OPTIM = attrs.evolve(BASE_OPTIM, lr_scheduler="linear", total_steps=5, min_lr_ratio=0.2)
+#: Reported learning rates against the written-out schedule: the same formula, in floating point.
+LR_TOLERANCE = Tolerance(atol=0.0, rtol=1e-12)
 #: The token budget of the dynamic micro-batching split (sequences hold 5 to 14 tokens).
 DYNAMIC_MAX_TOKEN_LEN = 20
-#: Seeds of the two batches: step 1 trains on A, step 2 on B.
-BATCH_A_SEED, BATCH_B_SEED = 1, 2
+#: Seeds of the batches: step 1 trains on A, step 2 on B, step 3 on C.
+BATCH_SEEDS = {"A": 1, "B": 2, "C": 3}
+#: On CUDA, what ``to("cpu")`` must free of what an engine held after a step: the AdamW moments are
+#: twice the parameters, so moving only the optimiser frees at least a quarter, moving all of it
+#: leaves at most a twentieth (caches, the odd scalar).
+OPTIMIZER_SHARE_FREED = 0.25
+LEFT_AFTER_FULL_OFFLOAD = 0.05
 
 
 class CheckSkipped(Exception):
@@ -82,7 +101,7 @@ class RankContext:
     dirs: ModelDirs
     workdir: Path
     samples: dict[str, list[Sample]] = attrs.field(
-        init=False, factory=lambda: {"A": make_samples(BATCH_A_SEED), "B": make_samples(BATCH_B_SEED)}
+        init=False, factory=lambda: {name: make_samples(seed) for name, seed in BATCH_SEEDS.items()}
     )
     _cache: dict[str, Any] = attrs.field(init=False, factory=dict)
 
@@ -93,6 +112,7 @@ class RankContext:
         role: str = "lm",
         optim: OptimConfig = BASE_OPTIM,
         micro_batch: MicroBatchConfig = BASE_MICRO_BATCH,
+        dirs: ModelDirs | None = None,
         **flags: Any,
     ) -> BaseEngine:
         """A fresh, initialised engine of the backend under test, found through the registry."""
@@ -100,7 +120,7 @@ class RankContext:
 
         config = EngineConfig(
             backend=self.backend,
-            model=ModelConfig(path=self.dirs.for_role(role), dtype="float32"),
+            model=ModelConfig(path=(dirs or self.dirs).for_role(role), dtype="float32"),
             options=copy.deepcopy(self.options),
             optim=optim,
             micro_batch=micro_batch,
@@ -152,6 +172,25 @@ class RankContext:
                 self.dirs.for_role(role), role, self.samples["A"], BASE_OPTIM, KIT_TEMPERATURE
             )
         return self._cache[key]
+
+    def reference_schedule(self) -> list[reference.ReferenceStep]:
+        """Three reference AdamW steps (batches A, B, C) at the rates of ``SCHEDULE_OPTIM``."""
+        if "schedule" not in self._cache:
+            batches = [self.samples[name] for name in "ABC"]
+            self._cache["schedule"] = reference.reference_steps(
+                self.dirs.lm, "lm", batches, SCHEDULE_OPTIM, KIT_TEMPERATURE
+            )
+        return self._cache["schedule"]
+
+    def other_model_dirs(self) -> ModelDirs:
+        """A tiny model of another size (hidden 48), saved by rank 0: a checkpoint must not load into it."""
+        if "other" not in self._cache:
+            directory = self.workdir / "other_model"
+            if self.rank == 0:
+                save_tiny_models(directory, TinyModelSpec(hidden_size=48, intermediate_size=96))
+            dist.barrier()
+            self._cache["other"] = ModelDirs.under(directory)
+        return self._cache["other"]
 
     def initial_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights as ``from_pretrained`` loads them."""
@@ -216,6 +255,21 @@ def _compare_first_step(
 ) -> list[Comparison]:
     """Loss, gradient norm, learning rate and parameters after step 1 against the reference step."""
     step = ctx.reference_step(role)
+    return _compare_step(ctx, check, metrics, params, step, prefix, BITWISE, "parameters after step 1")
+
+
+def _compare_step(
+    ctx: RankContext,
+    check: str,
+    metrics: Mapping[str, float],
+    params: list[tuple[str, torch.Tensor]],
+    step: reference.ReferenceStep,
+    prefix: str = "",
+    lr_tolerance: Tolerance = LR_TOLERANCE,
+    params_label: str = "parameters",
+) -> list[Comparison]:
+    """One step's reported loss, gradient norm and learning rate, and the weights after it, against
+    the reference's step."""
     return [
         compare_scalars(
             check, f"{prefix}loss", metrics.get("loss"), step.loss, STEP_SCALAR_TOLERANCE, ctx.rank
@@ -228,9 +282,9 @@ def _compare_first_step(
             STEP_SCALAR_TOLERANCE,
             ctx.rank,
         ),
-        compare_scalars(check, f"{prefix}lr", metrics.get("lr"), step.lr, BITWISE, ctx.rank),
+        compare_scalars(check, f"{prefix}lr", metrics.get("lr"), step.lr, lr_tolerance, ctx.rank),
         *compare_state_dicts(
-            check, f"{prefix}parameters after step 1", params, step.params, STEP_PARAM_TOLERANCE, ctx.rank
+            check, f"{prefix}{params_label}", params, step.params, STEP_PARAM_TOLERANCE, ctx.rank
         ),
     ]
 
@@ -330,36 +384,101 @@ def check_dp_invariance(ctx: RankContext) -> list[Comparison]:
     return comparisons
 
 
+def check_lr_schedule(ctx: RankContext) -> list[Comparison]:
+    engine = ctx.engine(optim=SCHEDULE_OPTIM)
+    comparisons = []
+    for number, (name, step) in enumerate(zip("ABC", ctx.reference_schedule(), strict=True), start=1):
+        metrics = train_step(engine, ctx.local_batch(name))
+        comparisons += _compare_step(ctx, "lr_schedule", metrics, exported(engine), step, f"step {number}: ")
+    return comparisons
+
+
 def check_checkpoint(ctx: RankContext) -> list[Comparison]:
-    path = str(ctx.workdir / "checkpoint")
-    original = ctx.engine(optim=CHECKPOINT_OPTIM)
-    train_step(original, ctx.local_batch("A"))
-    original.save_checkpoint(path, global_step=1)
-    expected = train_step(original, ctx.local_batch("B"))
-    expected_params = exported(original)
+    path = ctx.workdir / "checkpoint"
+    original = ctx.engine(optim=SCHEDULE_OPTIM)
+    for name in "AB":
+        train_step(original, ctx.local_batch(name))
+    original.save_checkpoint(str(path), global_step=2)
+    # Two steps after the save: the schedule's rate changes at both, so lost scheduler state shows.
+    expected = [(train_step(original, ctx.local_batch(name)), exported(original)) for name in "CA"]
     del original
 
-    resumed = ctx.engine(optim=CHECKPOINT_OPTIM)
-    step = resumed.load_checkpoint(path)
-    actual = train_step(resumed, ctx.local_batch("B"))
+    resumed = ctx.engine(optim=SCHEDULE_OPTIM)
+    step = resumed.load_checkpoint(str(path))
     against = "uninterrupted run"
     comparisons = [
         Comparison(
             "checkpoint",
             "global step",
             ctx.rank,
-            step == 1,
-            f"load_checkpoint returned {step!r}, saved with global_step=1",
+            step == 2,
+            f"load_checkpoint returned {step!r}, saved with global_step=2",
         )
     ]
-    for key in ("loss", "grad_norm", "lr"):
+    for number, name, (metrics, params) in zip((3, 4), "CA", expected, strict=True):
+        actual = train_step(resumed, ctx.local_batch(name))
+        for key in ("loss", "grad_norm", "lr"):
+            comparisons += _compare_runs(
+                "checkpoint", f"step {number} {key}", actual.get(key), metrics.get(key), ctx.rank, against
+            )
         comparisons += _compare_runs(
-            "checkpoint", f"step 2 {key}", actual.get(key), expected.get(key), ctx.rank, against
+            "checkpoint", f"parameters after step {number}", exported(resumed), params, ctx.rank, against
         )
-    comparisons += _compare_runs(
-        "checkpoint", "parameters after step 2", exported(resumed), expected_params, ctx.rank, against
-    )
+    del resumed
+    comparisons.append(_refuses(ctx, "a checkpoint with a truncated file", _damaged_copy(ctx, path)))
+    comparisons.append(_refuses(ctx, "a checkpoint of another model", path, dirs=ctx.other_model_dirs()))
+    comparisons.append(_refuses(ctx, "a checkpoint of another backend", _foreign_checkpoint(ctx)))
     return comparisons
+
+
+def _foreign_checkpoint(ctx: RankContext) -> Path:
+    """An (empty) complete checkpoint that another engine backend wrote."""
+    from verl_core.engine.checkpoint import atomic_checkpoint
+
+    path = ctx.workdir / "foreign_checkpoint"
+    with atomic_checkpoint(path, global_step=2, backend=f"not-{ctx.backend}", group=dist.group.WORLD):
+        pass
+    return path
+
+
+def _damaged_copy(ctx: RankContext, path: Path) -> Path:
+    """A copy of the checkpoint at ``path`` whose largest file (weights or optimiser state) is cut to
+    half its size: what a partial copy or a full disk leaves behind a completion marker."""
+    damaged = path.with_name(path.name + "_damaged")
+    if ctx.rank == 0:
+        shutil.rmtree(damaged, ignore_errors=True)
+        shutil.copytree(path, damaged)
+        files = [f for f in damaged.rglob("*") if f.is_file() and f.name != MARKER_FILE]
+        victim = max(files, key=lambda f: f.stat().st_size)
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    dist.barrier()
+    return damaged
+
+
+def _refuses(ctx: RankContext, what: str, path: Path, dirs: ModelDirs | None = None) -> Comparison:
+    """Loading ``path`` into a fresh engine must raise ``CheckpointError`` naming the checkpoint."""
+    from verl_core.engine.checkpoint import CheckpointError
+
+    engine = ctx.engine(optim=SCHEDULE_OPTIM, dirs=dirs)
+    quantity = f"loading {what}"
+    try:
+        engine.load_checkpoint(str(path))
+    except CheckpointError as error:
+        names_it = str(path) in str(error)
+        detail = "refused with CheckpointError" + (
+            "" if names_it else f", but the message does not name {path}"
+        )
+        return Comparison("checkpoint", quantity, ctx.rank, names_it, f"{detail}: {error}")
+    except Exception as error:
+        return Comparison(
+            "checkpoint",
+            quantity,
+            ctx.rank,
+            False,
+            f"raised {type(error).__name__}: {error}; expected verl_core.engine.CheckpointError naming the "
+            "checkpoint (wrap loading in verl_core.engine.reading_checkpoint)",
+        )
+    return Comparison("checkpoint", quantity, ctx.rank, False, f"load_checkpoint({str(path)!r}) succeeded")
 
 
 def check_weight_export(ctx: RankContext) -> list[Comparison]:
@@ -393,7 +512,19 @@ def check_hf_export(ctx: RankContext) -> list[Comparison]:
     train_step(engine, ctx.local_batch("A"))  # export trained weights, not the ones loaded
     engine_outputs = infer(engine, ctx.local_batch("A"))
     engine.save_hf_model(path)
-    dist.barrier()  # whichever rank writes has finished
+    # No barrier here: save_hf_model is a collective, and no rank may return before the export exists.
+    present = (Path(path) / "config.json").is_file()
+    if not present:
+        return [
+            Comparison(
+                "hf_export",
+                "export present when save_hf_model returns",
+                ctx.rank,
+                False,
+                f"{path}/config.json does not exist yet on this rank: save_hf_model returned before the "
+                "writing rank finished (end it with a barrier over the DP group)",
+            )
+        ]
     loaded = reference.load_reference_model(path, "lm")
     comparisons = compare_state_dicts(
         "hf_export",
@@ -431,6 +562,15 @@ def check_hf_export(ctx: RankContext) -> list[Comparison]:
 
 
 def check_offload(ctx: RankContext) -> list[Comparison]:
+    probe = ctx.engine()
+    if probe.device.type == "cpu":
+        raise CheckSkipped(
+            "not exercised: the engine computes on the CPU, where to('cpu') and param/optimizer offload move "
+            "nothing, so neither the move nor the round trip can be observed; run the kit with device='cuda'"
+        )
+    comparisons = _offload_frees_device_memory(ctx, probe)
+    del probe
+
     def run(engine, round_trip: bool) -> dict[str, Any]:
         results = {"log_probs A": infer(engine, ctx.local_batch("A"))}
         results["step 1"] = train_step(engine, ctx.local_batch("A"))
@@ -452,7 +592,6 @@ def check_offload(ctx: RankContext) -> list[Comparison]:
             ctx.engine(param_offload=True, optimizer_offload=True), False
         ),
     }
-    comparisons = []
     against = "engine without offload"
     for label, results in variants.items():
         for key in ("log_probs A", "log_probs B"):
@@ -483,6 +622,57 @@ def check_offload(ctx: RankContext) -> list[Comparison]:
             ctx.rank,
             against,
         )
+    return comparisons
+
+
+def _offload_frees_device_memory(ctx: RankContext, engine: BaseEngine) -> list[Comparison]:
+    """After a step, ``to("cpu", optimizer=True)`` alone must free the AdamW moments' share of the
+    device memory the engine holds, and ``to("cpu")`` nearly all of it; and an engine with
+    ``param_offload`` + ``optimizer_offload`` must hold almost nothing outside its mode contexts."""
+    import gc
+
+    def allocated() -> int:
+        gc.collect()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    train_step(engine, ctx.local_batch("A"))  # parameters, gradients and AdamW state all exist now
+    resident = allocated()
+    engine.to("cpu", model=False, grad=False, optimizer=True)
+    after_optimizer = allocated()
+    engine.to("cpu")
+    after_all = allocated()
+    engine.to(str(engine.device))
+    freed_by_optimizer = resident - after_optimizer
+    comparisons = [
+        Comparison(
+            "offload",
+            'to("cpu", optimizer=True) frees the optimiser state',
+            ctx.rank,
+            freed_by_optimizer >= OPTIMIZER_SHARE_FREED * resident,
+            f"freed {freed_by_optimizer} of {resident} bytes the engine held on the device (expected at least "
+            f"{OPTIMIZER_SHARE_FREED:.0%}: AdamW's moments are twice the parameters)",
+        ),
+        Comparison(
+            "offload",
+            'to("cpu") frees the device',
+            ctx.rank,
+            after_all <= LEFT_AFTER_FULL_OFFLOAD * resident,
+            f"{after_all} of {resident} bytes stay on the device (expected at most {LEFT_AFTER_FULL_OFFLOAD:.0%})",
+        ),
+    ]
+    offloaded = ctx.engine(param_offload=True, optimizer_offload=True)
+    train_step(offloaded, ctx.local_batch("A"))
+    outside = allocated() - resident
+    comparisons.append(
+        Comparison(
+            "offload",
+            "param_offload + optimizer_offload: device memory outside train_mode()",
+            ctx.rank,
+            outside <= LEFT_AFTER_FULL_OFFLOAD * resident,
+            f"{outside} bytes stay on the device after train_mode() exits (a resident engine holds {resident})",
+        )
+    )
     return comparisons
 
 
@@ -524,9 +714,15 @@ CHECKS: dict[str, Check] = {
             "ranks with unequal token counts together equal the single-process full batch, and agree",
         ),
         Check(
+            "lr_schedule",
+            check_lr_schedule,
+            "three steps of a schedule whose rate changes every step: rates, losses and weights equal the reference",
+        ),
+        Check(
             "checkpoint",
             check_checkpoint,
-            "save after step 1, load into a fresh engine: step 2 is bitwise identical",
+            "save after step 2, load into a fresh engine: steps 3 and 4 are bitwise identical; damaged "
+            "checkpoints and another model's are refused with CheckpointError",
         ),
         Check(
             "weight_export", check_weight_export, "get_per_tensor_param: HF names, order, shapes and values"
@@ -537,7 +733,10 @@ CHECKS: dict[str, Check] = {
             "save_hf_model: from_pretrained gets the trained weights and the engine's log-probs",
         ),
         Check(
-            "offload", check_offload, "to('cpu') and back, param/optimizer offload: results bitwise unchanged"
+            "offload",
+            check_offload,
+            "to('cpu') frees the device, param/optimizer offload keeps it free; results bitwise unchanged "
+            "(not exercised on the CPU)",
         ),
     )
 }

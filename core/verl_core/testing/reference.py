@@ -79,12 +79,30 @@ class ReferenceStep:
     model: torch.nn.Module = attrs.field(eq=False, repr=False)
 
 
-def reference_step(
-    path: str, role: str, samples: Sequence[Sample], optim: OptimConfig, temperature: float
-) -> ReferenceStep:
-    """Load ``path``, take one AdamW step on the token-mean loss over all ``samples``."""
-    if optim.lr_scheduler != "constant" or optim.lr_warmup_steps:
-        raise ValueError("the reference step takes a constant learning rate without warmup")
+def scheduled_lr(optim: OptimConfig, steps_taken: int) -> float:
+    """The learning rate of the optimiser step after ``steps_taken`` steps, written out for the
+    schedules the kit uses: constant, and linear decay from ``lr`` to ``min_lr_ratio * lr`` over
+    ``total_steps`` (no warmup)."""
+    if optim.lr_warmup_steps:
+        raise ValueError("the reference schedules have no warmup")
+    if optim.lr_scheduler == "constant":
+        return optim.lr
+    if optim.lr_scheduler == "linear":
+        remaining = 1.0 - min(1.0, steps_taken / optim.total_steps)
+        return optim.lr * (optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * remaining)
+    raise ValueError(f"the reference knows no lr_scheduler={optim.lr_scheduler!r}")
+
+
+def reference_steps(
+    path: str,
+    role: str,
+    batches: Sequence[Sequence[Sample]],
+    optim: OptimConfig,
+    temperature: float,
+) -> list[ReferenceStep]:
+    """Load ``path``; take one AdamW step per batch on the token-mean loss over all of its samples,
+    at the rate ``scheduled_lr`` gives for that step. One ``ReferenceStep`` per step (they share the
+    model, which ends in the state after the last step)."""
     model = load_reference_model(path, role)
     model.train()
     optimizer = torch.optim.AdamW(
@@ -94,23 +112,39 @@ def reference_step(
         eps=optim.eps,
         weight_decay=optim.weight_decay,
     )
-    total = torch.zeros(())
-    num_tokens = 0
-    for sample in samples:
-        outputs = sample_outputs(model, sample, role, temperature)
-        if role == "value":
-            token_loss = value_token_loss(outputs["values"], sample.returns)
-        else:
-            token_loss = policy_token_loss(outputs["log_probs"], outputs["entropy"], sample.advantages)
-        total = total + (token_loss * sample.loss_mask).sum()
-        num_tokens += int(sample.loss_mask.sum())
-    loss = total / num_tokens
-    loss.backward()
-    max_norm = optim.clip_grad if optim.clip_grad > 0 else math.inf
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm))
-    optimizer.step()
-    params = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    return ReferenceStep(float(loss.detach()), grad_norm, optim.lr, params, model)
+    steps = []
+    for taken, samples in enumerate(batches):
+        lr = scheduled_lr(optim, taken)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        num_tokens = 0
+        for sample in samples:
+            outputs = sample_outputs(model, sample, role, temperature)
+            if role == "value":
+                token_loss = value_token_loss(outputs["values"], sample.returns)
+            else:
+                token_loss = policy_token_loss(outputs["log_probs"], outputs["entropy"], sample.advantages)
+            total = total + (token_loss * sample.loss_mask).sum()
+            num_tokens += int(sample.loss_mask.sum())
+        loss = total / num_tokens
+        loss.backward()
+        max_norm = optim.clip_grad if optim.clip_grad > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm))
+        optimizer.step()
+        params = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+        steps.append(ReferenceStep(float(loss.detach()), grad_norm, lr, params, model))
+    return steps
+
+
+def reference_step(
+    path: str, role: str, samples: Sequence[Sample], optim: OptimConfig, temperature: float
+) -> ReferenceStep:
+    """Load ``path``, take one AdamW step on the token-mean loss over all ``samples``."""
+    if optim.lr_scheduler != "constant" or optim.lr_warmup_steps:
+        raise ValueError("the reference step takes a constant learning rate without warmup")
+    return reference_steps(path, role, [samples], optim, temperature)[0]
 
 
 @torch.no_grad()

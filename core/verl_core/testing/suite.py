@@ -8,8 +8,11 @@ Subclass it in a test module, name the backend, done::
         backend = "my-backend"
         world_sizes = (1, 2)
 
-Each world size is one spawned run (class-scoped, so it runs once); each test then asserts its
-check's part of that run's report, with a message saying what differed and by how much.
+Each world size is one spawned run (class-scoped, so it runs once); there is one test per check of
+``CHECKS`` (``test_conformance[world_size=2-first_step]``), each asserting its check's part of that
+run's report, with a message saying what differed and by how much. A check that cannot be exercised
+on the device or world size (offload on the CPU, DP invariance on one rank) is skipped with the
+reason, never passed.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from verl_core.testing.checks import CHECKS
 from verl_core.testing.report import ConformanceReport
 from verl_core.testing.runner import run_conformance
 
@@ -40,7 +44,9 @@ class EngineConformance:
     timeout_s: ClassVar[float] = 600.0
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        # pytest calls this method of a test class to parametrize its tests: one run per world size.
+        # pytest calls this method of a test class to parametrize its tests: one run per world size
+        # (class-scoped, shared by its tests), one test per check. The tests come from the list of
+        # checks itself, so a check can never run without being asserted.
         if "conformance_world_size" in metafunc.fixturenames:
             metafunc.parametrize(
                 "conformance_world_size",
@@ -50,6 +56,8 @@ class EngineConformance:
                 ],
                 scope="class",
             )
+        if "conformance_check" in metafunc.fixturenames:
+            metafunc.parametrize("conformance_check", list(CHECKS))
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -66,32 +74,9 @@ class EngineConformance:
             timeout_s=cls.timeout_s,
         )
 
-    def test_log_probs_and_entropy(self, conformance_report: ConformanceReport) -> None:
-        assert_check(conformance_report, "log_probs")
-
-    def test_values(self, conformance_report: ConformanceReport) -> None:
-        assert_check(conformance_report, "values")
-
-    def test_first_step(self, conformance_report: ConformanceReport) -> None:
-        assert_check(conformance_report, "first_step")
-
-    def test_micro_batch_invariance(self, conformance_report: ConformanceReport) -> None:
-        assert_check(conformance_report, "micro_batch_invariance")
-
-    def test_dp_invariance(self, conformance_report: ConformanceReport) -> None:
-        assert_check(conformance_report, "dp_invariance")
-
-    def test_checkpoint_round_trip(self, conformance_report: ConformanceReport) -> None:
-        assert_check(conformance_report, "checkpoint")
-
-    def test_weight_export(self, conformance_report: ConformanceReport) -> None:
-        assert_check(conformance_report, "weight_export")
-
-    def test_hf_export(self, conformance_report: ConformanceReport) -> None:
-        assert_check(conformance_report, "hf_export")
-
-    def test_offload_round_trip(self, conformance_report: ConformanceReport) -> None:
-        assert_check(conformance_report, "offload")
+    def test_conformance(self, conformance_report: ConformanceReport, conformance_check: str) -> None:
+        """One test per check of ``verl_core.testing.checks.CHECKS``: a new check is a new test."""
+        assert_check(conformance_report, conformance_check)
 
 
 def assert_check(report: ConformanceReport, check: str) -> None:

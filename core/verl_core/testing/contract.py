@@ -1,0 +1,199 @@
+"""``PluginContract``: the tests every plugin distribution runs on itself as a plugin (pytest).
+
+The conformance kit (``EngineConformance``) checks what an engine computes; this checks that the
+installed distribution is a well-formed verl-core plugin. Subclass it in the plugin's tests::
+
+    from verl_core.testing import PluginContract
+
+    class TestPlugin(PluginContract):
+        distribution = "verl-ddp"
+        package = "verl_ddp"
+        entry_points = {"ddp": "verl_ddp.plugin"}
+        options_examples = {"ddp": {"bucket_cap_mb": 8, "static_graph": True}}
+
+What it asserts, each as its own test:
+
+- the package's ``__version__`` is the installed distribution's version, and the installed verl-core
+  is inside the range the distribution requires;
+- the distribution declares exactly ``entry_points`` in the ``verl_core.plugins`` group (none, for a
+  distribution that provides nothing yet), and discovery finds each backend of ``options_examples``
+  through them, attributed to this distribution, with status ``ok``;
+- listing the plugins and loading every backend's options class import no torch, transformers or
+  engine module (a fresh subprocess);
+- each backend's descriptor is valid: a literal ``api_version`` equal to the engine API core speaks,
+  an engine class that subclasses ``BaseEngine`` whose ``options_class`` is the descriptor's config
+  class, and a description;
+- the options structure from a run config's section (``actor.engine.<backend>: {...}``), round-trip
+  through plain data (defaults and the example), and an unknown key is refused at its full path;
+- an engine built but not initialised refuses to compute, naming ``initialize()``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as metadata
+import json
+import os
+import subprocess
+import sys
+from typing import Any, ClassVar
+
+import pytest
+
+#: Modules that listing plugins must not import.
+HEAVY_MODULES = ("torch", "transformers", "tensordict", "megatron")
+
+
+class PluginContract:
+    """Base class of a plugin distribution's own contract tests (see the module docstring)."""
+
+    #: The distribution's name, as installed (``verl-ddp``).
+    distribution: ClassVar[str] = ""
+    #: Its import package, whose ``__version__`` must match the distribution's (empty: not checked).
+    package: ClassVar[str] = ""
+    #: Every ``verl_core.plugins`` entry point it declares: name -> module.
+    entry_points: ClassVar[dict[str, str]] = {}
+    #: The engine backends it provides, each with a non-default options mapping as it would appear in
+    #: a run config under ``actor.engine.<backend>`` (``{}`` for a backend without options).
+    options_examples: ClassVar[dict[str, dict[str, Any]]] = {}
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def registry(cls) -> Any:
+        """The registry a user gets: core's built-ins and every installed entry point."""
+        from verl_core.plugins import Registry
+
+        if not cls.distribution:
+            pytest.fail(f"{cls.__name__}: set distribution = '<the distribution's name>'")
+        return Registry.from_plugins(autoload=True)
+
+    # -- the distribution ------------------------------------------------------------------------
+
+    def test_package_version_is_the_distribution_version(self) -> None:
+        if not self.package:
+            pytest.skip("no package named: set package = '<import package>' to check its __version__")
+        installed = metadata.version(self.distribution)
+        declared = importlib.import_module(self.package).__version__
+        assert declared == installed, (
+            f"{self.package}.__version__ is {declared} but {self.distribution} is installed as {installed}: bump "
+            "both together (the package's __init__.py and pyproject.toml), then reinstall"
+        )
+
+    def test_installed_core_is_inside_the_required_range(self) -> None:
+        from packaging.requirements import Requirement
+
+        requirements = [Requirement(r) for r in metadata.requires(self.distribution) or []]
+        cores = [r for r in requirements if r.name == "verl-core"]
+        assert len(cores) == 1, (
+            f"{self.distribution} must require verl-core once, with a version range: {cores}"
+        )
+        installed = metadata.version("verl-core")
+        assert cores[0].specifier.contains(installed), (
+            f"{self.distribution} requires {cores[0]} but verl-core {installed} is installed"
+        )
+
+    def test_entry_points_are_declared_by_the_distribution(self) -> None:
+        from verl_core.hookspecs import ENTRY_POINT_GROUP
+
+        declared = metadata.distribution(self.distribution).entry_points.select(group=ENTRY_POINT_GROUP)
+        assert {ep.name: ep.value for ep in declared} == self.entry_points, (
+            f"{self.distribution} declares {list(declared)} in {ENTRY_POINT_GROUP!r}, expected "
+            f"{self.entry_points} (reinstall the distribution after editing its pyproject.toml)"
+        )
+
+    def test_backends_are_found_through_the_entry_points(self, registry: Any) -> None:
+        from verl_core.hookspecs import ENGINE_BACKENDS
+        from verl_core.plugins.discovery import same_distribution
+
+        provided = sorted(
+            entry.name
+            for entry in registry.entries(ENGINE_BACKENDS)
+            if entry.distribution and same_distribution(entry.distribution, self.distribution)
+        )
+        assert provided == sorted(self.options_examples), (
+            f"{self.distribution} provides engine backends {provided}; the test expects "
+            f"{sorted(self.options_examples)} (list each in options_examples)"
+        )
+        for name in self.options_examples:
+            entry = registry.entry(ENGINE_BACKENDS, name)
+            assert entry.plugin in self.entry_points and entry.status == "ok", entry
+            assert entry.version == metadata.version(self.distribution)
+
+    def test_listing_imports_nothing_heavy(self) -> None:
+        from verl_core.plugins import ENV_DISABLE_AUTOLOAD, ENV_PLUGINS
+
+        script = (
+            "import json, sys\n"
+            "from verl_core.plugins import get_registry\n"
+            "registry = get_registry()\n"
+            f"for name in {sorted(self.options_examples)!r}:\n"
+            "    registry.entry('engine_backends', name).load('config')\n"
+            f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY_MODULES!r})\n"
+            "print(json.dumps(heavy))\n"
+        )
+        # Only this distribution's plugins, so that another installed plugin cannot be blamed on it.
+        env = {name: value for name, value in os.environ.items() if not name.startswith("VERL_CORE_")}
+        env |= {ENV_DISABLE_AUTOLOAD: "1", ENV_PLUGINS: ",".join(self.entry_points.values())}
+        result = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+        )
+        assert result.returncode == 0, result.stderr
+        heavy = json.loads(result.stdout.splitlines()[-1])
+        assert heavy == [], (
+            f"listing the plugins and loading the options classes of {self.distribution} imported {heavy}: keep "
+            "the plugin module and the options module free of them (name the engine by import string)"
+        )
+
+    # -- each backend ----------------------------------------------------------------------------
+
+    def test_descriptors_are_valid(self, registry: Any) -> None:
+        from verl_core.descriptors import ENGINE_API_VERSION
+        from verl_core.engine import BaseEngine
+        from verl_core.hookspecs import ENGINE_BACKENDS
+
+        for name in self.options_examples:
+            entry = registry.entry(ENGINE_BACKENDS, name)
+            descriptor = entry.descriptor
+            assert descriptor.api_version == ENGINE_API_VERSION, descriptor
+            assert descriptor.description, f"backend {name!r}: give the EngineBackend a description"
+            engine = entry.load("engine")
+            assert isinstance(engine, type) and issubclass(engine, BaseEngine), engine
+            assert engine.options_class is entry.load("config"), (
+                f"backend {name!r}: {engine.__qualname__}.options_class must be the descriptor's config class"
+            )
+
+    def test_options_structure_and_round_trip(self, registry: Any) -> None:
+        from verl_core.config import EngineConfig, ModelConfig, structure, unstructure
+        from verl_core.errors import ConfigError
+
+        for name, example in self.options_examples.items():
+            options_class = registry.entry("engine_backends", name).load("config")
+            section = {"backend": name, "model": {"path": "m"}, name: example}
+            config = structure(section, EngineConfig, "actor.engine", registry=registry)
+            assert config.options == structure(example, options_class, registry=registry), config.options
+            if example:
+                assert config.options != options_class(), (
+                    f"options_examples[{name!r}] should differ from the defaults"
+                )
+            for options in (options_class(), config.options):
+                built = EngineConfig(backend=name, model=ModelConfig(path="m"), options=options)
+                assert structure(unstructure(built), EngineConfig, registry=registry) == built
+            typo = {"backend": name, "model": {"path": "m"}, name: {**example, "no_such_option": 1}}
+            with pytest.raises(ConfigError) as caught:
+                structure(typo, EngineConfig, "actor.engine", registry=registry)
+            assert f"actor.engine.{name}.no_such_option" in [path for path, _ in caught.value.errors]
+
+    def test_an_engine_refuses_to_compute_before_initialize(
+        self, registry: Any, tmp_path_factory: Any
+    ) -> None:
+        from verl_core.config import EngineConfig, ModelConfig
+        from verl_core.engine import build_engine
+        from verl_core.testing.tiny import collate, make_samples, save_tiny_models
+
+        model = save_tiny_models(tmp_path_factory.mktemp("contract")).lm
+        for name in self.options_examples:
+            engine = build_engine(
+                EngineConfig(backend=name, model=ModelConfig(path=model), device="cpu"), registry=registry
+            )
+            with pytest.raises(RuntimeError, match=r"initialize\(\)"):
+                engine.infer_batch(collate(make_samples(0)[:2]))

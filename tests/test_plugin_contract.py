@@ -1,0 +1,171 @@
+"""``PluginContract`` itself: run on a well-formed fake distribution every test passes, and run on
+deliberately broken ones exactly the test for each defect fails.
+
+The distributions are fake installed ones (``fixtures.fake_dist``); the contract tests run in a
+pytest subprocess that sees them on ``PYTHONPATH``, as a plugin's own test suite would.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from fixtures.fake_dist import fake_distributions
+
+from verl_core import __version__ as core_version
+
+CORE = f"verl-core=={core_version}"
+
+OPTIONS = """
+    import attrs
+
+    @attrs.define
+    class Options:
+        level: int = 1
+"""
+
+ENGINE = """
+    from verl_core.engine import HFEngine
+    from {package}.options import Options
+
+    class Engine(HFEngine):
+        options_class = Options
+
+        def wrap_model(self, module):
+            return module.to(self.device)
+
+        def save_checkpoint(self, path, global_step=0):
+            raise NotImplementedError
+
+        def load_checkpoint(self, path):
+            raise NotImplementedError
+"""
+
+#: An engine that computes without being initialised.
+EAGER_ENGINE = """
+    from verl_core.engine import BaseEngine, ForwardBackwardResult
+    from {package}.options import Options
+
+    class Engine(BaseEngine):
+        options_class = Options
+        initialize = set_model_mode = to = optimizer_zero_grad = lambda self, *a, **k: None
+        optimizer_step = lr_scheduler_step = get_lr = lambda self: 0.0
+        get_per_tensor_param = save_checkpoint = load_checkpoint = save_hf_model = lambda self, *a: None
+
+        def forward_backward_batch(self, batch, loss_fn, forward_only):
+            return ForwardBackwardResult(outputs=None)
+"""
+
+#: An engine whose options class is not the one its descriptor names.
+MISMATCHED_ENGINE = ENGINE.replace("options_class = Options", "options_class = dict")
+
+
+def plugin_module(backend: str, package: str, heavy: bool = False) -> str:
+    imports = "import torch  # a heavy import where listing must stay light\n" if heavy else ""
+    return imports + textwrap.dedent(f"""
+        from verl_core import EngineBackend, hookimpl
+
+        @hookimpl
+        def verl_engine_backends():
+            return [EngineBackend(
+                name={backend!r}, engine="{package}.engine:Engine", config="{package}.options:Options",
+                api_version=1, description="a fake backend",
+            )]
+    """)
+
+
+def install(
+    dists, backend: str, *, version="0.2", package_version="0.2", requires=(CORE,), engine=ENGINE, heavy=False
+):
+    """A fake distribution ``<backend>-dist`` with package ``<backend>_pkg`` providing one backend."""
+    package = f"{backend}_pkg"
+    root = dists.site / package
+    root.mkdir()
+    (root / "__init__.py").write_text(f"__version__ = {package_version!r}\n")
+    (root / "options.py").write_text(textwrap.dedent(OPTIONS))
+    (root / "engine.py").write_text(textwrap.dedent(engine.format(package=package)))
+    (root / "plugin.py").write_text(plugin_module(backend, package, heavy))
+    dists.add(f"{backend}-dist", version, {backend: (f"{package}.plugin", None)}, requires=requires)
+    return textwrap.dedent(f"""
+        class Test_{backend}(PluginContract):
+            distribution = "{backend}-dist"
+            package = "{package}"
+            entry_points = {{"{backend}": "{package}.plugin"}}
+            options_examples = {{"{backend}": {{"level": 3}}}}
+    """)
+
+
+#: Each fake distribution's one defect, and the contract test that must fail because of it.
+DEFECTS = {
+    "good": (None, {}),
+    "heavy": ("test_listing_imports_nothing_heavy", {"heavy": True}),
+    "stale": ("test_package_version_is_the_distribution_version", {"package_version": "0.1"}),
+    "unpinned": ("test_installed_core_is_inside_the_required_range", {"requires": ()}),
+    "mismatched": ("test_descriptors_are_valid", {"engine": MISMATCHED_ENGINE}),
+    "eager": ("test_an_engine_refuses_to_compute_before_initialize", {"engine": EAGER_ENGINE}),
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict:
+    """(class, test) -> PASSED/FAILED/ERROR/SKIPPED of one pytest run over every fake distribution,
+    and ``"report"`` -> the end of that run's output."""
+    tmp_path = tmp_path_factory.mktemp("contract")
+    with fake_distributions(tmp_path) as dists:
+        classes = [install(dists, backend, **changes) for backend, (_, changes) in DEFECTS.items()]
+        test_file = tmp_path / "test_fake_plugins.py"
+        test_file.write_text("from verl_core.testing import PluginContract\n" + "\n".join(classes))
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(dists.site), os.environ.get("PYTHONPATH", "")]),
+        }
+        env = {k: v for k, v in env.items() if not k.startswith("VERL_CORE_")}
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                str(test_file),
+                "-q",
+                "-rA",
+                "-p",
+                "no:cacheprovider",
+                "-W",
+                "ignore",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=600,
+        )
+    found = dict(
+        ((cls.removeprefix("Test_"), test), status)
+        for status, cls, test in re.findall(
+            r"^(PASSED|FAILED|ERROR|SKIPPED)\S* \S*::(\w+)::(\w+)", result.stdout, re.M
+        )
+    )
+    assert found, result.stdout + result.stderr
+    # Keep the run's report for the assertions' messages: it holds each failure's explanation.
+    found["report"] = result.stdout[-6000:]
+    return found
+
+
+def test_a_well_formed_distribution_passes_every_contract_test(outcomes) -> None:
+    good = {key[1]: status for key, status in outcomes.items() if key[0] == "good"}
+    assert len(good) >= 8 and set(good.values()) == {"PASSED"}, outcomes["report"]
+
+
+@pytest.mark.parametrize("backend", [name for name, (test, _) in DEFECTS.items() if test])
+def test_each_defect_fails_exactly_its_test(outcomes, backend) -> None:
+    expected_failure = DEFECTS[backend][0]
+    statuses = {key[1]: status for key, status in outcomes.items() if key[0] == backend}
+    assert statuses[expected_failure] == "FAILED", outcomes["report"]
+    others = {test: status for test, status in statuses.items() if test != expected_failure}
+    if backend == "mismatched":  # build_engine refuses the mismatch too, so the engine test cannot run
+        others.pop("test_an_engine_refuses_to_compute_before_initialize")
+    assert set(others.values()) == {"PASSED"}, outcomes["report"]

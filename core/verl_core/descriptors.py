@@ -183,12 +183,19 @@ class PolicyLoss(_Function):
 
 @attrs.frozen
 class RewardFunction(_Function):
-    """A reward function scoring generated responses; see docs/hooks.md."""
+    """A reward function, selected by ``reward.function``. ``function`` is called as::
+
+        function(prompt: str, response: str, extra: dict[str, Any]) -> float | dict[str, float]
+
+    ``extra`` holds the dataset row's other columns (``ground_truth``, ...); a dict result has a
+    ``score`` key and further numeric metrics. docs/rewards.md is the contract.
+    """
 
 
 @attrs.frozen
 class RolloutBackend:
-    """A rollout (generation) backend, such as Hugging Face ``generate`` or vLLM."""
+    """A rollout (generation) backend, selected by ``rollout.backend``: core's built-in ``hf``, vLLM,
+    SGLang. ``rollout`` names a ``verl_core.rollout.BaseRollout`` subclass, ``config`` its options class."""
 
     name: str = attrs.field(validator=_check_name)
     rollout: Loadable = attrs.field(validator=_check_loadable)

@@ -1,9 +1,9 @@
 """FSDP engine properties checked on spawned ranks, for ``test_fsdp_engine.py`` and ``test_fsdp_gpu.py``.
 
-``spawn(job, world_size, workdir)`` (the test side) starts one process per rank running this file as
-a script, ``python fsdp_jobs.py <job> <rank> <world_size> <workdir>`` (the rank side). Each rank runs
-its job's properties in order and writes ``<job>_rank<rank>.json`` mapping each property to ``null``
-(it holds) or why it does not. Properties run the engine's collectives in the same order on every
+``spawn(job, world_size, workdir)`` (the test side) runs ``run_job`` (the rank side) on one process
+per rank through ``verl_core.testing.spawn`` (which loads this file by path in each rank). Each rank
+runs its job's properties in order and writes ``<job>_rank<rank>.json`` mapping each property to
+``null`` (it holds) or why it does not. Properties run the engine's collectives in the same order on every
 rank. The tiny model must already be in ``<workdir>/model``. Tests load this file by path (the
 ``fsdp_jobs`` fixture of conftest.py); pytest does not collect it.
 """
@@ -13,14 +13,9 @@ from __future__ import annotations
 import collections
 import copy
 import json
-import os
-import subprocess
-import sys
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 
 import attrs
@@ -43,6 +38,8 @@ from verl_core.testing.checks import (
 from verl_core.testing.losses import policy_loss_fn
 from verl_core.testing.reference import load_reference_model
 from verl_core.testing.report import BITWISE, Comparison, Tolerance, compare_scalars, compare_state_dicts
+from verl_core.testing.spawn import Rank, SpawnError
+from verl_core.testing.spawn import spawn as run_ranks
 from verl_core.testing.tiny import ModelDirs
 from verl_fsdp.config import FSDPConfig
 from verl_fsdp.sharding import fsdp_units
@@ -70,28 +67,20 @@ class JobFailed(RuntimeError):
 
 def spawn(job: str, world_size: int, workdir: Path) -> list[dict[str, str | None]]:
     """Run ``job`` on ``world_size`` processes; return each rank's results (property -> failure)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    logs = [workdir / f"{job}_rank{rank}.log" for rank in range(world_size)]
-    processes = []
-    for rank, log in enumerate(logs):
-        with open(log, "w") as output:
-            command = [sys.executable, __file__, job, str(rank), str(world_size), str(workdir)]
-            processes.append(subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env))
-    deadline = time.monotonic() + JOB_TIMEOUT_S
+    cuda = job == "cuda"
     try:
-        for process in processes:
-            process.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    failed = [rank for rank, process in enumerate(processes) if process.returncode != 0]
-    if failed:
-        tails = "\n".join(f"--- rank {rank}:\n{logs[rank].read_text()[-3000:]}" for rank in failed)
-        raise JobFailed(f"job {job!r}: rank(s) {failed} failed or timed out ({JOB_TIMEOUT_S} s)\n{tails}")
+        run_ranks(
+            run_job,
+            (job, str(workdir)),
+            world_size=world_size,
+            workdir=workdir / f"ranks_{job}",
+            timeout_s=JOB_TIMEOUT_S,
+            device="cuda" if cuda else "cpu",
+            # cpu_offload on CUDA reduces CPU tensors too (gradient norms): gloo beside NCCL.
+            backend="cpu:gloo,cuda:nccl" if cuda else None,
+        )
+    except SpawnError as error:
+        raise JobFailed(f"job {job!r}: {error}") from None
     return [json.loads((workdir / f"{job}_rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
@@ -490,32 +479,16 @@ def outcome(prop: Property, ctx: RankContext) -> str | None:
     return None
 
 
-def main(job: str, rank: int, world_size: int, workdir: Path) -> None:
-    torch.set_num_threads(1)  # ranks share few cores
+def run_job(rank: Rank, job: str, workdir: str) -> None:
+    """The rank side of ``spawn``: the process group is up; check the job's properties in order."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    device = "cuda" if job == "cuda" else "cpu"
-    if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        # cpu_offload on CUDA reduces CPU tensors too (gradient norms): gloo beside NCCL.
-        "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo",
-        store=dist.FileStore(str(workdir / f"store_{job}"), world_size),
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=60),
+    registry = Registry.from_plugins(autoload=True)  # the installed entry point, as users get it
+    dirs = ModelDirs.under(Path(workdir) / "model")
+    ctx = RankContext(
+        "fsdp", ("lm", "value"), None, registry, rank.rank, rank.world_size, rank.device, dirs, Path(workdir)
     )
-    try:
-        registry = Registry.from_plugins(autoload=True)  # the installed entry point, as users get it
-        dirs = ModelDirs.under(workdir / "model")
-        ctx = RankContext("fsdp", ("lm", "value"), None, registry, rank, world_size, device, dirs, workdir)
-        results = {prop.__name__: outcome(prop, ctx) for prop in JOBS[job]}
-    finally:
-        dist.destroy_process_group()
-    (workdir / f"{job}_rank{rank}.json").write_text(json.dumps(results, indent=2))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+    results = {prop.__name__: outcome(prop, ctx) for prop in JOBS[job]}
+    (Path(workdir) / f"{job}_rank{rank.rank}.json").write_text(json.dumps(results, indent=2))

@@ -117,10 +117,11 @@ class FunctionRef:
 
     @classmethod
     def of(cls, function: Callable[..., Any]) -> FunctionRef:
-        module = sys.modules[function.__module__]
         if "<locals>" in function.__qualname__:
             raise ValueError(f"{function.__qualname__} is a local function: spawn needs a module-level one")
-        return cls(ModuleRef.of(module), function.__qualname__)
+        # By its code's file, too: a module loaded by path need not be in sys.modules.
+        module = ModuleRef.of(function.__module__)
+        return cls(ModuleRef(module.name, function.__code__.co_filename), function.__qualname__)
 
     def load(self) -> Callable[..., Any]:
         return getattr(self.module.load(), self.name)
@@ -138,11 +139,13 @@ def spawn(
     workdir: str | os.PathLike,
     timeout_s: float,
     device: str = "cpu",
+    backend: str | None = None,
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
 ) -> None:
     """Run ``function(rank: Rank, *args)`` on ``world_size`` processes; raise ``SpawnError`` if a rank
     fails or the run exceeds ``timeout_s`` (see the module docstring). ``workdir`` must be empty of
-    an earlier run's store (use a fresh folder per run)."""
+    an earlier run's store (use a fresh folder per run). ``backend`` is the process group's (default:
+    gloo on the CPU, NCCL on CUDA; ``"cpu:gloo,cuda:nccl"`` for both)."""
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     target = FunctionRef.of(function)
@@ -157,6 +160,7 @@ def spawn(
                 tuple(args),
                 str(workdir),
                 device,
+                backend,
                 timeout_s,
                 collective_timeout_s,
             ),
@@ -216,6 +220,7 @@ def _rank_main(
     args: tuple[Any, ...],
     workdir: str,
     device: str,
+    backend: str | None,
     timeout_s: float,
     collective_timeout_s: float,
 ) -> None:
@@ -232,9 +237,9 @@ def _rank_main(
         import torch.distributed as dist
 
         torch.set_num_threads(1)  # ranks share few cores: oversubscription is ~100x slower
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        if backend == "nccl":
+        if device.startswith("cuda"):
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = backend or ("nccl" if device.startswith("cuda") else "gloo")
         store = dist.FileStore(str(Path(workdir) / "store"), world_size)
         dist.init_process_group(
             backend,

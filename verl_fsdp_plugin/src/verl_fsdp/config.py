@@ -10,6 +10,8 @@ from typing import Literal
 
 import attrs
 
+from verl_core.config.validators import InvalidValue
+
 #: Names of the floating-point dtypes FSDP may compute or reduce in (those of ``model.dtype``).
 DtypeName = Literal["float32", "bfloat16", "float16"]
 
@@ -17,9 +19,10 @@ DtypeName = Literal["float32", "bfloat16", "float16"]
 def _class_names(instance: FSDPConfig, attribute: attrs.Attribute, value: tuple[str, ...]) -> None:
     bad = [name for name in value if not (isinstance(name, str) and name.isidentifier())]
     if bad:
-        raise ValueError(
-            f"{attribute.name}: {bad} are not module class names; name classes such as "
-            "'Qwen2DecoderLayer', or leave the list empty for the model's decoder layers"
+        raise InvalidValue(
+            attribute.name,
+            f"{bad} are not module class names; name classes such as 'Qwen2DecoderLayer', or leave the "
+            "list empty for the model's decoder layers",
         )
 
 

@@ -24,4 +24,7 @@ def test_the_programmatic_conformance_example_runs_as_a_script(tmp_path: Path) -
     path.write_text(script)
     result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "first_step               passed" in result.stdout and "dp_invariance            passed" in result.stdout
+    assert (
+        "first_step               passed" in result.stdout
+        and "dp_invariance            passed" in result.stdout
+    )

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from verl_core.config.engine import ModelConfig
 from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE
 from verl_core.engine.checkpoint import CheckpointError
-from verl_core.errors import ConfigError
 from verl_core.engine.hf import ENTROPY, LOG_PROBS, export_hf_model, forward_micro_batch, load_hf_model
+from verl_core.errors import ConfigError
 from verl_core.testing.tiny import collate, make_samples, save_tiny_models
 
 torch.set_num_threads(1)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import shutil
 import time
 from collections.abc import Iterator

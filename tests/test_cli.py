@@ -373,3 +373,14 @@ def test_config_names_a_file_that_is_not_utf_8(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"1 error(s) in the configuration in {path}:" in err
     assert "not UTF-8 text: byte 0xff at offset 19" in err and "save the file as UTF-8" in err
+
+
+def test_a_block_list_typo_is_a_warning_line_in_the_listing(monkeypatch, capsys):
+    monkeypatch.setenv(ENV_BLOCK, "ddpp")
+    monkeypatch.setattr(verl_core.plugins.registry, "_registry", None)  # as in a fresh process
+    try:
+        assert main(["plugins"]) == 0
+    finally:
+        monkeypatch.delenv(ENV_BLOCK)
+        get_registry(refresh=True)
+    assert f"warning: {ENV_BLOCK} names 'ddpp'" in capsys.readouterr().err

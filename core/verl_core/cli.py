@@ -11,11 +11,12 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from verl_core import __version__
-from verl_core.errors import VerlCoreError
+from verl_core.errors import PluginWarning, VerlCoreError
 from verl_core.hookspecs import ENGINE_BACKENDS
 from verl_core.plugins import Entry, PluginInfo, Registry, get_registry
 
@@ -91,10 +92,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _run_plugins(args: argparse.Namespace) -> int:
     try:
-        registry = get_registry()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", PluginWarning)
+            registry = get_registry()
     except VerlCoreError as error:  # an invalid environment switch
         print(f"error: {error}", file=sys.stderr)
         return 2
+    for warning in caught:  # a block-list entry that names nothing installed, say
+        print(f"warning: {warning.message}", file=sys.stderr)
     tables = {ENGINE_BACKENDS: backend_rows(registry)}
     if args.all:
         tables.update(
@@ -214,7 +219,6 @@ def format_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
 
 def _run_config(args: argparse.Namespace) -> int:
     # The loader imports cattrs and yaml: only this command pays for them.
-    import warnings
 
     from verl_core.config import dump_yaml, load_config
     from verl_core.config.loading import OVERRIDES_SOURCE, looks_like_key

@@ -150,6 +150,8 @@ def test_clipping_never_lowers_the_loss_and_only_flattens_the_gradient(tokens, c
         token_loss, token_gradient, was_clipped = reference_token(vpred, old_value, ret, clip)
         assert loss_mat[0, t].item() == pytest.approx(token_loss)
         assert loss_mat[0, t].item() >= 0.5 * (vpred - ret) ** 2 - 1e-12  # max with the unclipped term
-        assert vpreds.grad[0, t].item() == pytest.approx(token_gradient)
+        clipped_vpred = min(max(vpred, old_value - clip), old_value + clip)
+        if (vpred - ret) ** 2 != (clipped_vpred - ret) ** 2:  # at an exact tie max() splits the gradient
+            assert vpreds.grad[0, t].item() == pytest.approx(token_gradient)
         clipped_count += was_clipped
     assert metrics["critic/vf_clipfrac"] == pytest.approx(clipped_count / len(tokens))

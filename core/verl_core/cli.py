@@ -2,7 +2,8 @@
 
 ``verl-core plugins`` lists the installed plugins and what they provide, broken ones included; it
 imports no torch, cattrs, yaml or backend so that it answers fast. ``verl-core config`` prints a
-fully resolved configuration as YAML, or every validation error.
+fully resolved configuration as YAML, or every validation error. ``verl-core plot`` redraws a run's
+curves from its metrics file.
 """
 
 from __future__ import annotations
@@ -79,12 +80,39 @@ def _build_parser() -> argparse.ArgumentParser:
         "and exit 2. Options the run will ignore are printed as warnings on stderr (exit 0). "
         "Positional arguments containing '=' are overrides; -o overrides apply after them.",
     )
-    config.add_argument("items", nargs="*", metavar="FILE|KEY=VALUE", help="YAML files and dotted overrides")
-    config.add_argument(
+    _add_config_arguments(config)
+    config.set_defaults(run=_run_config)
+
+    train = commands.add_parser(
+        "train",
+        help="train with RL (GRPO, PPO, ...) as the configuration says",
+        description="Load the configuration like `verl-core config` (every error reported before "
+        "anything starts), then train: generate, score, update, validate and checkpoint every step. "
+        "Resumes from the newest checkpoint in trainer.checkpoint_dir (trainer.resume_mode: auto). "
+        "Exit 2: invalid input; 1: the run failed; 0: done.",
+    )
+    _add_config_arguments(train)
+    train.set_defaults(run=_run_train)
+
+    plot = commands.add_parser(
+        "plot",
+        help="redraw a run's curves (reward, validation score, losses) into RUN_DIR/curves.png",
+        description="Read RUN_DIR/metrics.jsonl and draw the training reward, validation score and "
+        "loss curves into RUN_DIR/curves.png (a panel whose metrics the run did not log is left out); "
+        "print the PNG's path. Works during a run too. Exits 2 with the reason when there is nothing "
+        "to draw.",
+    )
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="the run folder, which holds metrics.jsonl")
+    plot.set_defaults(run=_run_plot)
+    return parser
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The run config's YAML files and dotted overrides, as ``config`` and ``train`` take them."""
+    parser.add_argument("items", nargs="*", metavar="FILE|KEY=VALUE", help="YAML files and dotted overrides")
+    parser.add_argument(
         "-o", "--override", action="append", default=[], metavar="KEY=VALUE", help="a dotted override"
     )
-    config.set_defaults(run=_run_config)
-    return parser
 
 
 # -- verl-core plugins ----------------------------------------------------------------------------
@@ -218,9 +246,20 @@ def format_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
 
 
 def _run_config(args: argparse.Namespace) -> int:
-    # The loader imports cattrs and yaml: only this command pays for them.
+    from verl_core.config import dump_yaml
 
-    from verl_core.config import dump_yaml, load_config
+    config = _load_run_config(args)
+    if config is None:
+        return 2
+    sys.stdout.write(dump_yaml(config))
+    return 0
+
+
+def _load_run_config(args: argparse.Namespace) -> Any:
+    """The run config of ``args.items`` (files and overrides) and ``args.override``, or ``None`` after
+    printing every error; the options the run will ignore are printed as warnings."""
+    # The loader imports cattrs and yaml: only the commands that load a config pay for them.
+    from verl_core.config import load_config
     from verl_core.config.loading import OVERRIDES_SOURCE, looks_like_key
     from verl_core.errors import ConfigError, ConfigWarning
 
@@ -241,7 +280,7 @@ def _run_config(args: argparse.Namespace) -> int:
             for item in mistaken
         ]
         print(ConfigError(problems, source=OVERRIDES_SOURCE), file=sys.stderr)
-        return 2
+        return None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigWarning)
         try:
@@ -255,6 +294,48 @@ def _run_config(args: argparse.Namespace) -> int:
             warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     if error is not None:
         print(error, file=sys.stderr)
+        return None
+    return config
+
+
+# -- verl-core train ------------------------------------------------------------------------------
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    config = _load_run_config(args)
+    if config is None:
         return 2
-    sys.stdout.write(dump_yaml(config))
+    from verl_core.trainer.rl import RLTrainer
+
+    try:
+        trainer = RLTrainer.from_config(config)
+    except VerlCoreError as error:  # bad input found while building: a dataset, a model folder
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        trainer.fit()
+    except VerlCoreError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        trainer.shutdown()
+    from verl_core.trainer.plot import plot_run
+
+    print(f"run folder: {config.trainer.run_dir}; curves: {plot_run(config.trainer.run_dir)}")
+    return 0
+
+
+# -- verl-core plot -------------------------------------------------------------------------------
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    # matplotlib is imported only when drawing: the other commands do not pay for it.
+    from verl_core.trainer.plot import plot_run
+
+    try:
+        path = plot_run(args.run_dir)
+    except VerlCoreError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(path)
     return 0

@@ -57,3 +57,8 @@ class ConfigWarning(UserWarning):
 
 class RewardError(VerlCoreError):
     """A reward function could not be loaded, or failed on a sample (the message names the sample)."""
+
+
+class DataError(VerlCoreError, ValueError):
+    """A dataset file or row cannot be used, or a sampler state does not fit its dataset (the message
+    names the file, row or key, and the fix)."""

@@ -95,14 +95,24 @@ class RolloutConfig:
 
 @attrs.define
 class DataConfig:
-    """The ``data`` section: the prompt datasets and how they are batched."""
+    """The ``data`` section: the prompt datasets and how they are batched (docs/training.md)."""
 
+    #: ``.parquet`` or ``.jsonl`` files, read in order (a relative path is relative to the working directory).
     train_files: list[str] = attrs.field(factory=list)
     val_files: list[str] = attrs.field(factory=list)
-    #: Prompts per training step.
+    #: Prompts per training step, over all data-parallel ranks (each prompt gets ``rollout.n`` responses).
     train_batch_size: int = attrs.field(default=8, validator=positive)
-    #: Column holding the prompt.
+    #: Prompts per validation batch; ``None``: the whole validation set at once.
+    val_batch_size: int | None = attrs.field(default=None, validator=positive)
+    #: Column holding the prompt: a string, or a list of chat messages; the other columns reach the reward.
     prompt_key: str = attrs.field(default="prompt", validator=non_empty)
+    #: Column holding the response of SFT datasets.
+    response_key: str = attrs.field(default="response", validator=non_empty)
+    #: Render prompts with the tokenizer's chat template (a string prompt becomes one user message).
+    apply_chat_template: bool = False
+    #: Drop prompts longer than ``rollout.prompt_length`` (counted in the log); ``False``: such a prompt
+    #: is an error naming its row.
+    filter_overlong_prompts: bool = True
     shuffle: bool = True
     #: Seed of the shuffling order.
     seed: int = 0
@@ -123,9 +133,30 @@ class TrainerConfig:
     #: fresh; ``resume_path``: resume from ``resume_from_path``.
     resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
     resume_from_path: str | None = None
+    #: Keep the newest this many checkpoints in ``checkpoint_dir``; 0 keeps all.
+    max_checkpoints: int = attrs.field(default=0, validator=non_negative)
     seed: int = 0
-    #: Metric sinks, by name.
-    logger: list[str] = attrs.field(factory=lambda: ["console"])
+    #: Metric sinks besides ``run_dir/metrics.jsonl`` (always written): ``console``, ``tensorboard``.
+    logger: list[Literal["console", "tensorboard"]] = attrs.field(factory=lambda: ["console"])
+    #: The run folder: ``metrics.jsonl``, TensorBoard events, validation samples, ``curves.png``, the final export.
+    run_dir: str = attrs.field(default="runs/latest", validator=non_empty)
+    #: Where the roles run: ``ray`` (a worker group of Ray actors) or ``in_process`` (one rank, no Ray).
+    workers: Literal["ray", "in_process"] = "ray"
+    #: Ranks (processes) per role's worker group under Ray: the engines' world size.
+    world_size: int = attrs.field(default=1, validator=positive)
+    #: An existing Ray cluster to join (``ray://host:port`` or ``host:port``); ``None`` starts a local one.
+    ray_address: str | None = None
+    #: Recompute the old log-probs with the training engine even when the rollout's are exact (one
+    #: mini-batch, one epoch: then they are the same policy's, and the recompute is skipped).
+    recompute_old_log_probs: bool = False
+    #: Validation: responses per prompt (``k`` of mean@k and pass@k) and their sampling temperature
+    #: (0: greedy).
+    val_n: int = attrs.field(default=1, validator=positive)
+    val_temperature: float = attrs.field(default=0.0, validator=non_negative)
+    #: Validation generations written to ``run_dir/validation/step_N.jsonl`` each time.
+    val_samples_logged: int = attrs.field(default=8, validator=non_negative)
+    #: Write a Hugging Face export of the policy to ``run_dir/hf_model`` at the end of the run.
+    save_hf_model: bool = True
 
     def check(self) -> Iterator[tuple[str, str]]:
         if self.resume_mode == "resume_path" and not self.resume_from_path:

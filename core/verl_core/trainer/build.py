@@ -1,0 +1,70 @@
+"""Building what a run needs from its config: the tokenizer and the roles' worker groups."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verl_core.config.engine import ModelConfig
+from verl_core.config.run import RunConfig
+from verl_core.workers.group import InProcessWorkerGroup, WorkerGroup
+from verl_core.workers.roles import Actor, Critic
+from verl_core.workers.workers import ActorWorker, CriticWorker
+
+
+def load_tokenizer(model: ModelConfig) -> Any:
+    """The tokenizer saved beside the policy's weights (``actor.engine.model.path``), from the local
+    folder only; a model without pad token pads with its EOS token."""
+    from transformers import AutoTokenizer
+
+    from verl_core.engine.hf import check_model_dir
+
+    path = check_model_dir(model.path, "actor.engine.model.path")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(path), trust_remote_code=model.trust_remote_code, local_files_only=True
+        )
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"actor.engine.model.path: {path} has no tokenizer the trainer can load ({error}); save the "
+            "tokenizer beside the model (tokenizer.save_pretrained(path))"
+        ) from error
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            f"actor.engine.model.path: the tokenizer of {path} has no EOS token, so generation could never stop: "
+            "set tokenizer.eos_token and save it again"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def worker_group(config: RunConfig, role: str, make_worker: Any) -> WorkerGroup:
+    """The worker group ``trainer.workers`` says for ``role``."""
+    if config.trainer.workers == "in_process":
+        return InProcessWorkerGroup(role, make_worker)
+    from verl_core.workers.ray_group import RayWorkerGroup
+
+    return RayWorkerGroup(
+        role, make_worker, world_size=config.trainer.world_size, address=config.trainer.ray_address
+    )
+
+
+def build_roles(config: RunConfig, registry: Any = None) -> tuple[Actor, Critic | None]:
+    """The actor and (with ``critic.enable``) the critic, their engines initialised on every rank."""
+    actor = Actor(worker_group(config, "actor", _Maker(ActorWorker, config, registry)))
+    critic = None
+    if config.critic.enable:
+        critic = Critic(worker_group(config, "critic", _Maker(CriticWorker, config, registry)))
+    return actor, critic
+
+
+class _Maker:
+    """A picklable ``make_worker`` for a worker class (Ray ships it to each rank's process)."""
+
+    def __init__(self, worker_class: type, config: RunConfig, registry: Any):
+        self.worker_class, self.config = worker_class, config
+        # A registry is a process's own discovery: Ray ranks discover the installed plugins again.
+        self.registry = registry if config.trainer.workers == "in_process" else None
+
+    def __call__(self) -> Any:
+        return self.worker_class(self.config, self.registry)

@@ -1,0 +1,162 @@
+"""A run's curves: training reward, validation score and losses against the step, drawn from
+``RUN_DIR/metrics.jsonl`` into ``RUN_DIR/curves.png``.
+
+The trainer calls ``plot_run`` when a run ends; ``verl-core plot RUN_DIR`` redraws the picture from
+the JSONL file whenever asked, during a run too (it reads the steps flushed so far). Each panel draws
+the metric keys listed in ``PANELS``; a panel whose keys no line has is left out, so that a GRPO run
+(no critic) or one without validation still gets a picture. matplotlib is imported only to draw, on
+a figure of its own with the Agg canvas: no display is needed, and a caller's pyplot backend is left
+as it was.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from verl_core.errors import VerlCoreError
+from verl_core.trainer.metrics import (
+    ACTOR_LOSS_KEY,
+    CRITIC_LOSS_KEY,
+    METRICS_FILE,
+    REWARD_KEY,
+    VAL_SCORE_KEY,
+    read_records,
+)
+
+#: The picture's file in the run folder.
+PLOT_FILE = "curves.png"
+#: Inches per panel (width, height) and the picture's resolution.
+PANEL_SIZE = (6.0, 3.5)
+DPI = 100
+#: Panels per row.
+COLUMNS = 2
+#: Series with at most this many points get a marker on each (validation runs every few steps).
+MARKER_MAX_POINTS = 50
+
+
+@attrs.frozen
+class Panel:
+    """One panel of ``curves.png``: a title, and the metric keys drawn in it as ``fnmatch`` patterns
+    (one line per matching key, in pattern order, matches of one pattern sorted)."""
+
+    title: str
+    keys: tuple[str, ...]
+
+    def matching(self, keys: Sequence[str]) -> list[str]:
+        """The keys among ``keys`` this panel draws, in its order."""
+        return [key for pattern in self.keys for key in sorted(fnmatch.filter(keys, pattern))]
+
+
+#: The panels of ``curves.png``, in order. ``val/pass@*`` is the overall pass@k of
+#: ``validation.summarize`` (``val/pass@4``); per-data-source metrics are left to TensorBoard.
+PANELS: tuple[Panel, ...] = (
+    Panel("training reward", (REWARD_KEY,)),
+    Panel("validation score", (VAL_SCORE_KEY, "val/pass@*")),
+    Panel("actor loss", (ACTOR_LOSS_KEY,)),
+    Panel("critic loss", (CRITIC_LOSS_KEY,)),
+)
+
+
+def plot_run(run_dir: str | os.PathLike[str]) -> Path:
+    """Draw ``run_dir/metrics.jsonl`` into ``run_dir/curves.png`` and return the PNG's path.
+
+    A missing or empty metrics file, a malformed line, or metrics with none of the keys of
+    ``PANELS`` is a ``VerlCoreError`` naming the file; so is matplotlib missing.
+    """
+    run_dir = Path(run_dir)
+    source = run_dir / METRICS_FILE
+    if not source.is_file():
+        what = "is not a folder" if not run_dir.is_dir() else f"holds no {METRICS_FILE}"
+        raise VerlCoreError(
+            f"{source}: no such file: {run_dir} {what}; give the run folder of a training run, where "
+            f"the trainer writes {METRICS_FILE}"
+        )
+    records = read_records(source)
+    if not records:
+        raise VerlCoreError(f"{source}: no metrics in it yet; plot once the run has logged a step")
+    path = run_dir / PLOT_FILE
+    draw_curves(records, path, title=str(run_dir), source=str(source))
+    return path
+
+
+def draw_curves(
+    records: Sequence[dict[str, Any]],
+    path: str | os.PathLike[str],
+    title: str = "",
+    source: str = "the metrics",
+) -> tuple[str, ...]:
+    """Draw the panels of ``PANELS`` that ``records`` (``metrics.jsonl`` lines) have data for into the
+    PNG ``path`` (replaced atomically), and return the titles of the panels drawn.
+
+    A ``null`` value (a NaN or infinity when logged) leaves a gap in its line. Metrics with none of
+    the panels' keys are a ``VerlCoreError`` naming ``source``.
+    """
+    keys = sorted({key for record in records for key in record if key != "step"})
+    drawn = [(panel, panel.matching(keys)) for panel in PANELS]
+    drawn = [(panel, matched) for panel, matched in drawn if matched]
+    if not drawn:
+        wanted = ", ".join(pattern for panel in PANELS for pattern in panel.keys)
+        raise VerlCoreError(f"{source}: nothing to plot: no line has any of the keys {wanted}")
+    figure_class, canvas_class, integer_ticks = _matplotlib()
+    rows = math.ceil(len(drawn) / COLUMNS)
+    columns = min(len(drawn), COLUMNS)
+    figure = figure_class(figsize=(PANEL_SIZE[0] * columns, PANEL_SIZE[1] * rows), layout="constrained")
+    canvas_class(figure)
+    axes = list(figure.subplots(rows, columns, squeeze=False).flat)
+    for ax, (panel, matched) in zip(axes, drawn, strict=False):
+        for key in matched:
+            steps, values = _series(records, key, source)
+            marker = "o" if len(steps) <= MARKER_MAX_POINTS else None
+            ax.plot(steps, values, marker=marker, markersize=3, label=key)
+        ax.set_title(panel.title)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(integer_ticks(integer=True))
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    for ax in axes[len(drawn) :]:  # the rest of the last row
+        ax.set_visible(False)
+    if title:
+        figure.suptitle(title)
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    figure.savefig(partial, format="png", dpi=DPI)
+    os.replace(partial, path)
+    return tuple(panel.title for panel, _ in drawn)
+
+
+def _series(records: Sequence[dict[str, Any]], key: str, source: str) -> tuple[list[int], list[float]]:
+    """The steps that logged ``key`` and its values there, ``null`` as NaN (a gap in the line)."""
+    steps, values = [], []
+    for record in records:
+        if key not in record:
+            continue
+        value = record[key]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise VerlCoreError(
+                f"{source}: step {record['step']}: {key} is {value!r}, not a number; repair that line"
+            )
+        steps.append(record["step"])
+        values.append(math.nan if value is None else float(value))
+    return steps, values
+
+
+def _matplotlib() -> tuple[Any, Any, Any]:
+    """matplotlib's ``Figure``, Agg canvas and ``MaxNLocator`` classes, or a ``VerlCoreError`` saying
+    how to install it."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as error:
+        raise VerlCoreError(
+            f"drawing {PLOT_FILE} needs matplotlib, which cannot be imported ({error}): "
+            "pip install 'matplotlib>=3.7' (a dependency of verl-core: reinstalling verl-core brings it)"
+        ) from error
+    return Figure, FigureCanvasAgg, MaxNLocator

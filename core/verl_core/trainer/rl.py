@@ -1,0 +1,359 @@
+"""The RL loop: GRPO, PPO with GAE, RLOO, REINFORCE++, DAPO and relatives, in verl's order.
+
+One training step, as ``train_step`` reads top to bottom: generate ``rollout.n`` responses per prompt,
+score them, the old log-probs (the rollout's own when provably exact: one mini-batch, one epoch), the
+reference log-probs (only with a KL term), the critic's values (only with a critic), KL in the reward
+(optional), advantages by the configured estimator, the critic's update, the actor's update, and the
+trained weights into the rollout. ``fit`` runs the steps, validates every ``test_freq`` steps, saves a
+checkpoint every ``save_freq`` steps and resumes from the newest one.
+
+The roles are ``verl_core.workers.roles.Actor`` / ``Critic`` over any worker group (Ray actors, or in
+process); the trainer only ever holds whole batches and materialised results.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from verl_core.algos.kl import apply_kl_penalty, build_kl_controller
+from verl_core.algos.registry import get_advantage_estimator
+from verl_core.config.run import RunConfig
+from verl_core.data.batch import (
+    ADVANTAGES,
+    OLD_LOG_PROBS,
+    REF_LOG_PROB,
+    RESPONSE_MASK,
+    RESPONSES,
+    RETURNS,
+    TOKEN_LEVEL_REWARDS,
+    VALUES,
+)
+from verl_core.data.dataset import (
+    EpochSampler,
+    PromptDataset,
+    PromptRow,
+    load_prompt_datasets,
+    sequential_batches,
+)
+from verl_core.reward import load_reward_function, score_responses
+from verl_core.rollout.base import ROLLOUT_LOG_PROBS, SamplingParams
+from verl_core.trainer import checkpoints
+from verl_core.trainer.metrics import (
+    REWARD_KEY,
+    STEP_TIME_KEY,
+    MetricsLogger,
+    Timer,
+    perf_metrics,
+    validation_samples_path,
+    write_jsonl,
+)
+from verl_core.trainer.validation import summarize
+from verl_core.workers.roles import Actor, Critic
+
+#: The batch key of each response's prompt index within its step (GRPO's groups).
+UID = "uid"
+
+
+class RLTrainer:
+    """``fit()`` trains the ``actor`` (and the ``critic``, for estimators that need values) on
+    ``train_data``, validating on ``val_data``, as ``config`` says; ``run_dir`` collects the metrics,
+    validation samples and the final export."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        actor: Actor,
+        critic: Critic | None,
+        tokenizer: Any,
+        train_data: PromptDataset,
+        val_data: PromptDataset | None = None,
+        registry: Any = None,
+        show_progress: bool = True,
+    ):
+        self.config = config
+        self.actor, self.critic = actor, critic
+        self.tokenizer = tokenizer
+        self.train_data, self.val_data = train_data, val_data
+        self.registry = registry
+        self.run_dir = Path(config.trainer.run_dir)
+        self.show_progress = show_progress
+        self.n = config.rollout.n
+        self.sampler = EpochSampler(
+            len(train_data), config.data.train_batch_size, shuffle=config.data.shuffle, seed=config.data.seed
+        )
+        self.total_steps = config.trainer.total_training_steps or self.sampler.total_steps(
+            config.trainer.total_epochs
+        )
+        self.num_mini_batches = config.data.train_batch_size // config.actor.ppo_mini_batch_size
+        self.estimator = get_advantage_estimator(config.algorithm.adv_estimator, registry)
+        self.reward_function = load_reward_function(config.reward.function, registry)
+        self.kl_controller = build_kl_controller(config.algorithm.kl_ctrl)
+        self.sampling = _sampling(config.rollout.temperature, config, tokenizer)
+        self.global_step = 0
+
+    @classmethod
+    def from_config(cls, config: RunConfig, registry: Any = None, **options: Any) -> RLTrainer:
+        """The trainer ``config`` describes: tokenizer and datasets loaded, the roles' worker groups
+        started (``trainer.workers``) and their engines initialised."""
+        from verl_core.trainer.build import build_roles, load_tokenizer
+
+        tokenizer = load_tokenizer(config.actor.engine.model)
+        train_data, val_data = load_prompt_datasets(config.data, config.rollout, tokenizer)
+        actor, critic = build_roles(config, registry)
+        return cls(
+            config,
+            actor=actor,
+            critic=critic,
+            tokenizer=tokenizer,
+            train_data=train_data,
+            val_data=val_data,
+            registry=registry,
+            **options,
+        )
+
+    def shutdown(self) -> None:
+        """Release the worker groups."""
+        self.actor.shutdown()
+        if self.critic is not None:
+            self.critic.shutdown()
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, float]:
+        """Train from the newest checkpoint (or the start) to ``total_steps``; the last step's metrics."""
+        self.global_step = self.resume()
+        print(f"verl-core: {self.train_data.summary()}", file=sys.stderr)
+        metrics: dict[str, float] = {}
+        with MetricsLogger(
+            self.run_dir,
+            self.config.trainer.logger,
+            self.total_steps,
+            show_progress=self.show_progress,
+            start_step=self.global_step,
+        ) as logger:
+            if self.global_step == 0 and self.val_data is not None and self.config.trainer.test_freq:
+                logger.log(0, self.validate(0))  # where the curve starts
+            while self.global_step < self.total_steps:
+                step = self.global_step + 1
+                metrics = self.train_step(step)
+                self.global_step = step
+                if self.config.trainer.test_freq and (
+                    step % self.config.trainer.test_freq == 0 or step == self.total_steps
+                ):
+                    if self.val_data is not None:
+                        metrics |= self.validate(step)
+                if self.config.trainer.save_freq and (
+                    step % self.config.trainer.save_freq == 0 or step == self.total_steps
+                ):
+                    self.save_checkpoint(step)
+                logger.log(step, metrics)
+        if self.config.trainer.save_hf_model:
+            self.actor.save_hf_model(str(self.run_dir / "hf_model"))
+        return metrics
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> dict[str, float]:
+        timer = Timer()
+        started = time.perf_counter()
+        sampled = self.sampler.next_batch()
+        rows = self.train_data.select(sampled.indices)
+
+        with timer.phase("generate"):
+            batch = self.generate(rows, self.sampling, seed=_step_seed(self.config.trainer.seed, step))
+        with timer.phase("reward"):
+            scores, reward_metrics = self.score(batch, rows)
+            batch[TOKEN_LEVEL_REWARDS] = outcome_rewards(scores, batch[RESPONSE_MASK])
+        with timer.phase("old_log_probs"):
+            if self.recompute_old_log_probs:
+                batch[OLD_LOG_PROBS] = self.actor.compute_log_probs(batch)
+            else:  # one mini-batch, one epoch: the rollout sampled from exactly the policy being updated
+                batch[OLD_LOG_PROBS] = batch[ROLLOUT_LOG_PROBS]
+        if self.config.uses_kl:
+            with timer.phase("ref_log_probs"):
+                batch[REF_LOG_PROB] = self.actor.compute_ref_log_probs(batch)
+        if self.critic is not None:
+            with timer.phase("values"):
+                batch[VALUES] = self.critic.compute_values(batch)
+
+        metrics = dict(reward_metrics)
+        if self.config.algorithm.use_kl_in_reward:
+            batch[TOKEN_LEVEL_REWARDS], kl_metrics = apply_kl_penalty(
+                token_level_scores=batch[TOKEN_LEVEL_REWARDS],
+                old_log_probs=batch[OLD_LOG_PROBS],
+                ref_log_prob=batch[REF_LOG_PROB],
+                response_mask=batch[RESPONSE_MASK],
+                kl_ctrl=self.kl_controller,
+                kl_penalty_name=self.config.algorithm.kl_penalty,
+            )
+            metrics |= kl_metrics
+        with timer.phase("advantages"):
+            batch[ADVANTAGES], batch[RETURNS] = self.estimator(
+                token_level_rewards=batch[TOKEN_LEVEL_REWARDS],
+                response_mask=batch[RESPONSE_MASK],
+                index=batch[UID],
+                values=batch[VALUES] if self.critic is not None else None,
+                config=self.config.algorithm,
+            )
+
+        if self.critic is not None:
+            with timer.phase("update_critic"):
+                metrics |= self.critic.update(batch, self.num_mini_batches)
+        with timer.phase("update_actor"):
+            metrics |= self.actor.update(batch, self.num_mini_batches)
+        with timer.phase("sync"):
+            self.actor.sync_weights()
+
+        seconds = time.perf_counter() - started
+        response_tokens = int(batch[RESPONSE_MASK].sum())
+        metrics |= timer.metrics()
+        metrics |= {
+            "training/epoch": float(sampled.epoch),
+            "response_length/mean": response_tokens / batch.batch_size[0],
+            STEP_TIME_KEY: seconds,
+            **perf_metrics(response_tokens, seconds),
+        }
+        return metrics
+
+    @property
+    def recompute_old_log_probs(self) -> bool:
+        """Whether the old log-probs must come from the training engine: several updates per batch
+        (mini-batches or epochs) move the policy away from the rollout's before some of them."""
+        config = self.config
+        return (
+            config.trainer.recompute_old_log_probs or self.num_mini_batches > 1 or config.actor.ppo_epochs > 1
+        )
+
+    def generate(
+        self, rows: list[PromptRow], sampling: SamplingParams, seed: int, n: int | None = None
+    ) -> TensorDict:
+        """``n`` responses per prompt (default ``rollout.n``), the prompt's index in ``UID``."""
+        n = self.n if n is None else n
+        prompts = [row.prompt_ids for row in rows for _ in range(n)]
+        batch = self.actor.generate(prompts, sampling, seed)
+        batch[UID] = torch.arange(len(rows)).repeat_interleave(n)
+        return batch
+
+    def score(self, batch: TensorDict, rows: list[PromptRow]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Each response's score from the reward function, and the step's reward metrics."""
+        index = batch[UID].tolist()
+        responses = decode_responses(self.tokenizer, batch)
+        result = score_responses(
+            self.reward_function,
+            [rows[i].prompt_text for i in index],
+            responses,
+            [rows[i].extra for i in index],
+            on_error=self.config.reward.on_error,
+            name=self.config.reward.function,
+        )
+        scores = torch.tensor(result.scores, dtype=torch.float32)
+        metrics = {
+            **result.step_metrics(),  # the function's own metrics first: they cannot replace these
+            REWARD_KEY: float(scores.mean()),
+            "reward/max": float(scores.max()),
+            "reward/min": float(scores.min()),
+            "reward/errors": float(result.num_errors),
+        }
+        return scores, metrics
+
+    # -- validation ------------------------------------------------------------------------------
+
+    def validate(self, step: int) -> dict[str, float]:
+        """``trainer.val_n`` responses per validation prompt at ``trainer.val_temperature``: mean@k and
+        pass@k per data source; a few generations written to the run folder. Batches of
+        ``data.val_batch_size`` prompts (all at once by default)."""
+        k = self.config.trainer.val_n
+        sampling = _sampling(self.config.trainer.val_temperature, self.config, self.tokenizer)
+        by_prompt: list[list[float]] = []
+        sources: list[str] = []
+        samples: list[dict[str, Any]] = []
+        for number, indices in enumerate(
+            sequential_batches(len(self.val_data), self.config.data.val_batch_size)
+        ):
+            rows = self.val_data.select(indices)
+            seed = _step_seed(self.config.trainer.seed + 1 + number, step)
+            batch = self.generate(rows, sampling, seed=seed, n=k)
+            scores, _ = self.score(batch, rows)
+            by_prompt += scores.view(len(rows), k).tolist()
+            sources += [str(row.extra.get("data_source", "default")) for row in rows]
+            responses = decode_responses(self.tokenizer, batch)
+            room = self.config.trainer.val_samples_logged - len(samples)
+            samples += [
+                {
+                    "step": step,
+                    "prompt": rows[i // k].prompt_text,
+                    "response": responses[i],
+                    "score": scores[i].item(),
+                }
+                for i in range(min(room, len(responses)))
+            ]
+        write_jsonl(validation_samples_path(self.run_dir, step), samples)
+        return summarize(by_prompt, sources, k)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def save_checkpoint(self, step: int) -> Path:
+        state = {
+            "global_step": step,
+            "sampler": self.sampler.state_dict(),
+            "kl_coef": self.kl_controller.value,
+        }
+        return checkpoints.save(self.config.trainer, step, self.actor, self.critic, state)
+
+    def resume(self) -> int:
+        """The step to continue after: the newest complete checkpoint's, or 0 for a fresh run."""
+        found = checkpoints.find_resume_point(self.config.trainer)
+        if found is None:
+            return 0
+        state = checkpoints.load(found, self.actor, self.critic)
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_controller.value = state["kl_coef"]
+        return int(state["global_step"])
+
+
+# -- helpers ------------------------------------------------------------------------------------------
+
+
+def _sampling(temperature: float, config: RunConfig, tokenizer: Any) -> SamplingParams:
+    rollout = config.rollout
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    return SamplingParams(
+        max_new_tokens=rollout.response_length,
+        eos_token_ids=(eos,) if isinstance(eos, int) else tuple(eos),
+        pad_token_id=pad,
+        temperature=temperature,
+        top_k=rollout.top_k,
+        top_p=rollout.top_p,
+    )
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """A generation seed for ``step`` that does not depend on what earlier steps drew."""
+    return (seed * 1_000_003 + step) % 2**31
+
+
+def outcome_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, R]`` token-level rewards: each response's score on its last token, 0 elsewhere."""
+    rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
+    lengths = response_mask.sum(dim=-1)
+    has_tokens = lengths > 0
+    rows = torch.arange(response_mask.shape[0])[has_tokens]
+    rewards[rows, lengths[has_tokens] - 1] = scores[has_tokens]
+    return rewards
+
+
+def decode_responses(tokenizer: Any, batch: TensorDict) -> list[str]:
+    """Each response's text, padding and special tokens (the EOS) removed."""
+    mask = batch[RESPONSE_MASK].bool()
+    return tokenizer.batch_decode(
+        [row[row_mask].tolist() for row, row_mask in zip(batch[RESPONSES], mask, strict=True)],
+        skip_special_tokens=True,
+    )

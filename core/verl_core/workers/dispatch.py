@@ -1,0 +1,91 @@
+"""Dispatch by the engine's topology: which rows of a batch go to which rank, and how results come back.
+
+A worker group's ranks report their ``Topology`` (DP rank, DP size, whether they own outputs). A batch
+is split over the DP size, not the world size: each DP shard goes to every rank of its DP group (the
+tensor-, pipeline- and sequence-parallel ranks of one DP group see the same shard), and outputs are
+taken from the ranks that own them, one per DP group. Sequences are balanced across DP ranks by
+length, so that no rank waits for the one holding all the long responses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+from tensordict import TensorDict
+
+from verl_core.data.batch import ATTENTION_MASK
+
+
+@attrs.frozen
+class Topology:
+    """Where one rank of a worker group sits in its engine's parallel layout."""
+
+    dp_rank: int
+    dp_size: int
+    is_output_rank: bool
+
+
+def check_topologies(topologies: Sequence[Topology], role: str) -> int:
+    """The DP size the ranks agree on; a layout where they do not, or where some DP rank owns no
+    outputs, is an error naming the role (an engine bug: the trainer could not collect results)."""
+    sizes = {t.dp_size for t in topologies}
+    if len(sizes) != 1:
+        raise RuntimeError(f"the {role} ranks disagree on their data-parallel size: {sorted(sizes)}")
+    (dp_size,) = sizes
+    owners = sorted(t.dp_rank for t in topologies if t.is_output_rank)
+    if owners != list(range(dp_size)):
+        raise RuntimeError(
+            f"the {role} engine must mark exactly one output rank per data-parallel rank, got output ranks "
+            f"for DP ranks {owners} of {dp_size}"
+        )
+    return dp_size
+
+
+def balanced_shards(lengths: Sequence[int], dp_size: int) -> list[torch.Tensor]:
+    """Row indices per DP rank: equal counts (the batch must divide), with the total length of each
+    shard as even as a snake order over the rows sorted by length makes it. Each shard keeps its rows
+    in batch order."""
+    if len(lengths) % dp_size:
+        raise ValueError(
+            f"{len(lengths)} sequences cannot be split evenly over {dp_size} data-parallel ranks: make "
+            "data.train_batch_size x rollout.n a multiple of the data-parallel size"
+        )
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    shards: list[list[int]] = [[] for _ in range(dp_size)]
+    for position, row in enumerate(order):
+        lap, offset = divmod(position, dp_size)
+        shards[offset if lap % 2 == 0 else dp_size - 1 - offset].append(row)
+    return [torch.tensor(sorted(shard), dtype=torch.long) for shard in shards]
+
+
+def split_batch(batch: TensorDict, dp_size: int, balance: bool = True) -> list[torch.Tensor]:
+    """Row indices of each DP rank's shard of ``batch``: balanced by sequence length, or contiguous."""
+    if not balance:
+        if batch.batch_size[0] % dp_size:
+            raise ValueError(f"{batch.batch_size[0]} rows cannot be split evenly over {dp_size} DP ranks")
+        return list(torch.arange(batch.batch_size[0]).chunk(dp_size))
+    return balanced_shards(batch[ATTENTION_MASK].sum(dim=-1).tolist(), dp_size)
+
+
+def shards_for_ranks(shards: Sequence[object], topologies: Sequence[Topology]) -> list[object]:
+    """What each rank receives: the shard of its DP rank."""
+    return [shards[t.dp_rank] for t in topologies]
+
+
+def gather_outputs(results: Sequence[object], topologies: Sequence[Topology]) -> list[object]:
+    """The results of the output ranks, in DP-rank order."""
+    by_dp_rank = {
+        t.dp_rank: result for result, t in zip(results, topologies, strict=True) if t.is_output_rank
+    }
+    return [by_dp_rank[dp_rank] for dp_rank in range(len(by_dp_rank))]
+
+
+def restore_order(parts: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-shard results (rows in each shard's order) put back into the batch's row order."""
+    merged = torch.cat(list(parts), dim=0)
+    index = torch.cat(list(shards))
+    restored = torch.empty_like(merged)
+    restored[index] = merged
+    return restored

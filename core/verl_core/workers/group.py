@@ -1,0 +1,60 @@
+"""Worker groups: one process per engine rank, called together, results materialised.
+
+``WorkerGroup`` is what the roles' typed front ends (``verl_core.workers.roles``) call: ``call`` runs
+one method on every rank with the same arguments, ``call_each`` with one set of arguments per rank;
+both return every rank's result, already collected, so nothing the trainer holds is a future.
+``InProcessWorkerGroup`` runs a single rank in this process (no Ray, no ``torch.distributed``): for
+embedding core in another RL stack and for fast tests. ``verl_core.workers.ray_group`` provides the
+Ray implementation, one actor per rank forming a ``torch.distributed`` group.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from verl_core.errors import VerlCoreError
+
+
+class WorkerError(VerlCoreError):
+    """A rank of a worker group failed or died; the message names the role and the rank."""
+
+
+class WorkerGroup(abc.ABC):
+    """The ranks of one role (``actor``, ``critic``), called in lockstep."""
+
+    role: str
+    world_size: int
+
+    @abc.abstractmethod
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``worker.method(*args, **kwargs)`` on every rank; every rank's result, in rank order."""
+
+    @abc.abstractmethod
+    def call_each(self, method: str, args_per_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """``worker.method(*args_per_rank[rank])`` on every rank; every rank's result, in rank order."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release the ranks."""
+
+
+class InProcessWorkerGroup(WorkerGroup):
+    """One rank, in this process: ``make_worker()`` builds the worker here."""
+
+    world_size = 1
+
+    def __init__(self, role: str, make_worker: Callable[[], Any]):
+        self.role = role
+        self.worker = make_worker()
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return [getattr(self.worker, method)(*args, **kwargs)]
+
+    def call_each(self, method: str, args_per_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
+        (args,) = args_per_rank
+        return [getattr(self.worker, method)(*args)]
+
+    def shutdown(self) -> None:
+        self.worker = None

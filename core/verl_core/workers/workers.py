@@ -1,0 +1,213 @@
+"""The rank side of the roles: what one process of the actor or critic worker group holds and does.
+
+``ActorWorker`` holds the policy engine (role ``lm``), its rollout in the same process, and, when a KL
+term needs it, the reference policy (an engine that never steps its optimiser); ``CriticWorker`` holds
+a value engine. Each method works on this rank's share of a batch and is called on every rank of the
+group together (the engines' collectives line up); ``verl_core.workers.roles`` splits batches and
+collects results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from verl_core.algos.policy_loss import compute_actor_loss
+from verl_core.algos.value_loss import compute_value_loss
+from verl_core.config.run import RunConfig
+from verl_core.data.batch import (
+    ADVANTAGES,
+    OLD_LOG_PROBS,
+    REF_LOG_PROB,
+    RESPONSE_MASK,
+    RETURNS,
+    VALUES,
+    get_global_counts,
+)
+from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE, BaseEngine, build_engine
+from verl_core.hookspecs import ROLLOUT_BACKENDS
+from verl_core.rollout.base import ROLLOUT_LOG_PROBS, SamplingParams
+from verl_core.workers.dispatch import Topology
+
+
+def _topology(engine: BaseEngine) -> Topology:
+    return Topology(engine.dp_rank, engine.dp_size, engine.is_output_rank)
+
+
+def _mini_batches(batch: TensorDict, count: int) -> list[TensorDict]:
+    """``count`` contiguous mini-batches of this rank's share (every rank makes the same number, so
+    global mini-batch ``j`` is the union of every rank's ``j``-th)."""
+    return [batch[index] for index in torch.arange(batch.batch_size[0]).tensor_split(count)]
+
+
+def _mean_metrics(steps: Sequence[dict[str, float]], prefix: str) -> dict[str, float]:
+    names = sorted({name for step in steps for name in step})
+    merged = {}
+    for name in names:
+        values = [step[name] for step in steps if name in step and step[name] is not None]
+        key = name if "/" in name else f"{prefix}/{name}"
+        merged[key] = sum(values) / len(values) if values else float("nan")
+    return merged
+
+
+class ActorWorker:
+    """One rank of the actor role. ``registry`` resolves backends (default: the installed plugins)."""
+
+    def __init__(self, config: RunConfig, registry: Any = None):
+        from verl_core.plugins import get_registry
+
+        registry = registry or get_registry()
+        self.config = config
+        self.policy = build_engine(config.actor.engine, "lm", registry, config_path="actor.engine")
+        # The reference never steps: it exists only when a KL term reads its log-probs.
+        self.ref = None
+        if config.uses_kl:
+            ref_path = "ref.engine" if config.ref.engine is not None else "actor.engine"
+            self.ref = build_engine(config.ref_engine, "lm", registry, config_path=ref_path)
+        entry = registry.entry(ROLLOUT_BACKENDS, config.rollout.backend, where="rollout.backend")
+        self.rollout = entry.load("rollout")(
+            config.actor.engine.model,
+            config.rollout.options,
+            device=str(self.policy.device),
+            config_path="rollout",
+        )
+
+    def initialize(self) -> Topology:
+        self.policy.initialize()
+        if self.ref is not None:
+            self.ref.initialize()
+        self.rollout.initialize()
+        return _topology(self.policy)
+
+    # -- generation --------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> TensorDict:
+        return self.rollout.generate(prompts, sampling, seed)
+
+    def sync_weights(self) -> None:
+        """The trained weights into the rollout, one full tensor at a time (a collective on sharded engines)."""
+        self.rollout.update_weights(self.policy.get_per_tensor_param())
+
+    # -- log-probs ---------------------------------------------------------------------------------
+
+    def compute_log_probs(self, batch: TensorDict) -> torch.Tensor | None:
+        """The policy's log-probs of ``batch``'s responses at the rollout's temperature."""
+        return self._log_probs(self.policy, batch)
+
+    def compute_ref_log_probs(self, batch: TensorDict) -> torch.Tensor | None:
+        if self.ref is None:
+            raise RuntimeError(
+                "no reference policy: no KL term is on (actor.policy_loss.use_kl_loss, algorithm.use_kl_in_reward)"
+            )
+        return self._log_probs(self.ref, batch)
+
+    def _log_probs(self, engine: BaseEngine, batch: TensorDict) -> torch.Tensor | None:
+        batch = batch.copy()
+        batch.set_non_tensor(TEMPERATURE, self.config.rollout.temperature)
+        batch.set_non_tensor(COMPUTE_ENTROPY, False)
+        with engine.eval_mode():
+            outputs = engine.infer_batch(batch).outputs
+        return None if outputs is None else outputs["log_probs"]
+
+    # -- update ------------------------------------------------------------------------------------
+
+    def update(self, batch: TensorDict, num_mini_batches: int) -> dict[str, float]:
+        """``actor.ppo_epochs`` passes over this rank's share, ``num_mini_batches`` optimiser steps each."""
+        policy_config = self.config.actor.policy_loss
+        batch = batch.copy()
+        batch.set_non_tensor(TEMPERATURE, self.config.rollout.temperature)
+        batch.set_non_tensor(COMPUTE_ENTROPY, policy_config.entropy_coeff != 0)
+
+        def loss_fn(
+            output: dict[str, torch.Tensor], micro_batch: TensorDict, dp_group: Any
+        ) -> tuple[torch.Tensor, dict[str, float]]:
+            keys = micro_batch.keys()
+            return compute_actor_loss(
+                log_prob=output["log_probs"],
+                old_log_prob=micro_batch[OLD_LOG_PROBS],
+                advantages=micro_batch[ADVANTAGES],
+                response_mask=micro_batch[RESPONSE_MASK],
+                config=policy_config,
+                counts=get_global_counts(micro_batch),
+                entropy=output.get("entropy"),
+                ref_log_prob=micro_batch[REF_LOG_PROB] if REF_LOG_PROB in keys else None,
+                rollout_log_probs=micro_batch[ROLLOUT_LOG_PROBS] if ROLLOUT_LOG_PROBS in keys else None,
+            )
+
+        steps = []
+        with self.policy.train_mode():
+            for _ in range(self.config.actor.ppo_epochs):
+                for mini_batch in _mini_batches(batch, num_mini_batches):
+                    steps.append(self.policy.train_batch(mini_batch, loss_fn))
+        metrics = _mean_metrics(steps, "actor")
+        metrics["actor/skipped_steps"] = float(sum(not _finite(step.get("grad_norm")) for step in steps))
+        return metrics
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str, global_step: int) -> None:
+        self.policy.save_checkpoint(path, global_step)
+
+    def load_checkpoint(self, path: str) -> int:
+        step = self.policy.load_checkpoint(path)
+        self.sync_weights()  # the rollout generates with the restored policy
+        return step
+
+    def save_hf_model(self, path: str) -> None:
+        self.policy.save_hf_model(path)
+
+
+class CriticWorker:
+    """One rank of the critic role: a value engine."""
+
+    def __init__(self, config: RunConfig, registry: Any = None):
+        from verl_core.plugins import get_registry
+
+        self.config = config
+        self.engine = build_engine(
+            config.critic.engine, "value", registry or get_registry(), config_path="critic.engine"
+        )
+
+    def initialize(self) -> Topology:
+        self.engine.initialize()
+        return _topology(self.engine)
+
+    def compute_values(self, batch: TensorDict) -> torch.Tensor | None:
+        with self.engine.eval_mode():
+            outputs = self.engine.infer_batch(batch).outputs
+        return None if outputs is None else outputs[VALUES]
+
+    def update(self, batch: TensorDict, num_mini_batches: int) -> dict[str, float]:
+        loss_config = self.config.critic.loss
+
+        def loss_fn(
+            output: dict[str, torch.Tensor], micro_batch: TensorDict, dp_group: Any
+        ) -> tuple[torch.Tensor, dict[str, float]]:
+            return compute_value_loss(
+                vpreds=output[VALUES],
+                values=micro_batch[VALUES],
+                returns=micro_batch[RETURNS],
+                response_mask=micro_batch[RESPONSE_MASK],
+                config=loss_config,
+                counts=get_global_counts(micro_batch),
+            )
+
+        steps = []
+        with self.engine.train_mode():
+            for _ in range(self.config.actor.ppo_epochs):
+                for mini_batch in _mini_batches(batch, num_mini_batches):
+                    steps.append(self.engine.train_batch(mini_batch, loss_fn))
+        return _mean_metrics(steps, "critic")
+
+    def save_checkpoint(self, path: str, global_step: int) -> None:
+        self.engine.save_checkpoint(path, global_step)
+
+    def load_checkpoint(self, path: str) -> int:
+        return self.engine.load_checkpoint(path)
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and value == value and value not in (float("inf"), float("-inf"))

@@ -1,0 +1,121 @@
+"""The RL trainer in process: GRPO and PPO steps on the demo's tiny model, what each phase computes,
+exact resume from a checkpoint, and a crash during a save that leaves the previous resume point."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fixtures.demo import build_small_demo, run_overrides
+
+from verl_core.config import load_config
+from verl_core.engine.checkpoint import MARKER_FILE
+from verl_core.trainer import checkpoints
+from verl_core.trainer.rl import RLTrainer, outcome_rewards
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return build_small_demo(tmp_path_factory.mktemp("demo"))
+
+
+def trainer_for(demo, tmp_path, **changes) -> RLTrainer:
+    config = load_config([], run_overrides(demo, tmp_path, **changes))
+    return RLTrainer.from_config(config, show_progress=False)
+
+
+def metrics_lines(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_outcome_rewards_sit_on_each_responses_last_token() -> None:
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    rewards = outcome_rewards(torch.tensor([0.5, -1.0, 2.0]), mask)
+    assert rewards.tolist() == [[0, 0, 0.5, 0], [-1.0, 0, 0, 0], [0, 0, 0, 2.0]]
+
+
+def test_two_grpo_steps_train_and_log(demo, tmp_path) -> None:
+    trainer = trainer_for(demo, tmp_path, **{"trainer.test_freq": 1})
+    final = trainer.fit()
+    lines = metrics_lines(tmp_path)
+    assert [line["step"] for line in lines] == [0, 1, 2]  # step 0: the validation before training
+    for line in lines[1:]:
+        assert 0.0 <= line["reward/mean"] <= 1.0
+        assert line["actor/grad_norm"] is not None and line["actor/grad_norm"] > 0
+        assert line["timing/generate"] > 0 and "val/score/mean" in line
+    assert final["actor/lr"] == pytest.approx(1e-3)
+    # One mini-batch, one epoch: the rollout's log-probs are the old log-probs, no recompute ran.
+    assert "timing/old_log_probs" in final and final["timing/old_log_probs"] < final["timing/update_actor"]
+    assert (tmp_path / "run" / "validation" / "step_2.jsonl").is_file()
+
+
+def test_resume_continues_exactly_and_a_crashed_save_is_never_the_resume_point(
+    demo, tmp_path, monkeypatch
+) -> None:
+    straight_dir, resumed_dir = tmp_path / "straight", tmp_path / "resumed"
+    changes = {"trainer.total_training_steps": 3, "trainer.save_freq": 1}
+    straight = trainer_for(demo, straight_dir, **changes)
+    straight.fit()
+    expected = {line["step"]: line for line in metrics_lines(straight_dir)}
+
+    first = trainer_for(demo, resumed_dir, **changes | {"trainer.total_training_steps": 2})
+    first.fit()
+    # A crash while saving step 3 must leave step 2 the resume point.
+    second = trainer_for(demo, resumed_dir, **changes)
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed mid-save")
+
+    monkeypatch.setattr(second.actor, "save_checkpoint", crash)
+    with pytest.raises(KeyboardInterrupt):
+        second.fit()
+    saved = [step for step, _ in checkpoints.complete_checkpoints(resumed_dir / "checkpoints")]
+    assert saved == [1, 2], saved
+    assert (resumed_dir / "checkpoints" / ".global_step_3.saving").exists()  # never trusted: no marker
+    assert not (resumed_dir / "checkpoints" / "global_step_3" / MARKER_FILE).exists()
+
+    third = trainer_for(demo, resumed_dir, **changes)
+    third.fit()
+    resumed = {line["step"]: line for line in metrics_lines(resumed_dir)}
+    assert sorted(resumed) == [1, 2, 3]
+    for key in ("reward/mean", "actor/loss", "actor/grad_norm", "response_length/mean"):
+        assert resumed[3][key] == expected[3][key], key  # bitwise, as the uninterrupted run
+    final_straight = dict(straight.actor.group.worker.policy.get_per_tensor_param())
+    for name, tensor in third.actor.group.worker.policy.get_per_tensor_param():
+        assert torch.equal(tensor, final_straight[name]), name
+
+
+def test_ppo_with_a_critic_runs_gae(demo, tmp_path) -> None:
+    trainer = trainer_for(
+        demo,
+        tmp_path,
+        **{
+            "algorithm.adv_estimator": "gae",
+            "critic.enable": "true",
+            "critic.engine": f"{{backend: ddp, model: {{path: {demo.model}}}, device: cpu, optim: {{lr: 1e-3}}}}",
+            "trainer.total_training_steps": 1,
+        },
+    )
+    final = trainer.fit()
+    assert final["critic/vf_loss"] > 0 and final["critic/grad_norm"] > 0
+    assert "timing/values" in final and "timing/update_critic" in final
+
+
+def test_verl_core_train_runs_and_draws_the_curves(demo, tmp_path, capsys) -> None:
+    from verl_core.cli import main
+
+    assert main(["train", *run_overrides(demo, tmp_path, **{"trainer.test_freq": 1})]) == 0
+    out = capsys.readouterr().out
+    assert "curves:" in out and (tmp_path / "run" / "curves.png").is_file()
+
+
+def test_verl_core_train_names_a_missing_dataset(demo, tmp_path, capsys) -> None:
+    from verl_core.cli import main
+
+    overrides = run_overrides(demo, tmp_path, **{"data.train_files": f"[{tmp_path / 'nope.jsonl'}]"})
+    assert main(["train", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "data.train_files" in err and "nope.jsonl" in err

@@ -49,7 +49,7 @@ from verl_core.config import (
     structure,
     unstructure,
 )
-from verl_core.config.algorithm import LossAggMode
+from verl_core.config.algorithm import FilterGroupsConfig, LossAggMode
 from verl_core.config.validators import InvalidValue
 from verl_core.errors import ConfigError, ConfigWarning
 from verl_core.plugins import Registry, get_registry
@@ -820,6 +820,7 @@ def test_docs_list_every_key_with_its_default():
         "reward": RewardConfig,
         "algorithm": AlgorithmConfig,
         "algorithm.kl_ctrl": KLControlConfig,
+        "algorithm.filter_groups": FilterGroupsConfig,
         "data": DataConfig,
         "trainer": TrainerConfig,
         "<engine>": EngineConfig,

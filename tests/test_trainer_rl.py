@@ -119,3 +119,63 @@ def test_verl_core_train_names_a_missing_dataset(demo, tmp_path, capsys) -> None
     assert main(["train", *overrides]) == 2
     err = capsys.readouterr().err
     assert "data.train_files" in err and "nope.jsonl" in err
+
+
+CONSTANT_FOR_SOME = """
+def score(prompt, response, extra):
+    # Every response to a prompt whose answer starts with 0-4 gets the same score: no signal in the group.
+    if extra["ground_truth"][0] in "01234":
+        return 0.5
+    return float(len(response)) + 0.1 * response.count("1")
+"""
+
+
+def test_dynamic_sampling_drops_groups_without_signal_and_fills_the_batch(demo, tmp_path) -> None:
+    from verl_core.trainer.metrics import Timer
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(CONSTANT_FOR_SOME)
+    trainer = trainer_for(
+        demo,
+        tmp_path,
+        **{
+            "reward.function": f"{reward}:score",
+            "algorithm.filter_groups.enable": "true",
+            "rollout.temperature": 1.5,
+        },
+    )
+    batch, rows, _, rounds = trainer.collect(1, Timer())
+    assert len(rows) == 4 and batch.batch_size[0] == 4 * trainer.n
+    assert all(row.extra["ground_truth"][0] not in "01234" for row in rows)
+    assert rounds >= 2  # about half the prompts are dropped, so one round cannot fill the batch
+    scores = batch["scores"].view(4, trainer.n)
+    assert all(bool((group != group[0]).any()) for group in scores)
+    assert batch["uid"].tolist() == [g for g in range(4) for _ in range(trainer.n)]
+
+
+def test_dynamic_sampling_gives_up_after_max_rounds_naming_the_key(demo, tmp_path) -> None:
+    reward = tmp_path / "flat.py"
+    reward.write_text("def score(prompt, response, extra):\n    return 1.0\n")
+    trainer = trainer_for(
+        demo,
+        tmp_path,
+        **{
+            "reward.function": f"{reward}:score",
+            "algorithm.filter_groups.enable": "true",
+            "algorithm.filter_groups.max_num_gen_batches": 2,
+        },
+    )
+    with pytest.raises(
+        RuntimeError, match=r"after 2 generation rounds only 0 of 4 prompts.*max_num_gen_batches"
+    ):
+        trainer.fit()
+
+
+def test_a_reward_function_that_raises_names_the_sample(demo, tmp_path) -> None:
+    reward = tmp_path / "broken.py"
+    reward.write_text("def score(prompt, response, extra):\n    raise ValueError('cannot parse')\n")
+    trainer = trainer_for(demo, tmp_path, **{"reward.function": f"{reward}:score"})
+    with pytest.raises(Exception) as caught:
+        trainer.fit()
+    message = str(caught.value)
+    assert "sample 0" in message and "rev " in message and "cannot parse" in message

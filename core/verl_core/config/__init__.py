@@ -6,7 +6,13 @@ and to plain data; ``dump_yaml`` writes what ``load_config`` reads back.
 docs/config.md documents every section and key. Importing this package does not import torch.
 """
 
-from verl_core.config.algorithm import AlgorithmConfig, CriticLossConfig, KLControlConfig, PolicyLossConfig
+from verl_core.config.algorithm import (
+    AlgorithmConfig,
+    CriticLossConfig,
+    FilterGroupsConfig,
+    KLControlConfig,
+    PolicyLossConfig,
+)
 from verl_core.config.convert import structure, structure_with_warnings, unstructure
 from verl_core.config.engine import EngineConfig, MicroBatchConfig, ModelConfig, OptimConfig
 from verl_core.config.loading import dump_yaml, load_config, parse_override
@@ -28,6 +34,7 @@ __all__ = [
     "CriticLossConfig",
     "DataConfig",
     "EngineConfig",
+    "FilterGroupsConfig",
     "KLControlConfig",
     "MicroBatchConfig",
     "ModelConfig",

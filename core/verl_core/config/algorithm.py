@@ -36,6 +36,16 @@ class KLControlConfig:
 
 
 @attrs.define
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling: drop the groups whose responses all scored the same (they carry no
+    advantage for group estimators) and generate for more prompts until the batch is full."""
+
+    enable: bool = False
+    #: Generation rounds per step at most (the first included) before the step gives up with an error.
+    max_num_gen_batches: int = attrs.field(default=10, validator=positive)
+
+
+@attrs.define
 class AlgorithmConfig:
     """The ``algorithm`` section: advantage estimation and KL in the reward."""
 
@@ -49,6 +59,7 @@ class AlgorithmConfig:
     #: KL estimator of the penalty (``KL_PENALTIES``).
     kl_penalty: str = attrs.field(default="kl", validator=_kl_estimator)
     kl_ctrl: KLControlConfig = attrs.field(factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = attrs.field(factory=FilterGroupsConfig)
     #: Options for plugin-provided estimators, passed through untouched.
     extra: dict[str, Any] = attrs.field(factory=dict)
 

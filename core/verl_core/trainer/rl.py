@@ -33,6 +33,7 @@ from verl_core.data.batch import (
     RETURNS,
     TOKEN_LEVEL_REWARDS,
     VALUES,
+    concat_batches,
 )
 from verl_core.data.dataset import (
     EpochSampler,
@@ -58,6 +59,8 @@ from verl_core.workers.roles import Actor, Critic
 
 #: The batch key of each response's prompt index within its step (GRPO's groups).
 UID = "uid"
+#: The batch key of each response's score from the reward function.
+SCORES = "scores"
 
 
 class RLTrainer:
@@ -97,6 +100,8 @@ class RLTrainer:
         self.kl_controller = build_kl_controller(config.algorithm.kl_ctrl)
         self.sampling = _sampling(config.rollout.temperature, config, tokenizer)
         self.global_step = 0
+        #: The last collected batch's reward metrics.
+        self.reward_metrics: dict[str, float] = {}
 
     @classmethod
     def from_config(cls, config: RunConfig, registry: Any = None, **options: Any) -> RLTrainer:
@@ -163,14 +168,9 @@ class RLTrainer:
     def train_step(self, step: int) -> dict[str, float]:
         timer = Timer()
         started = time.perf_counter()
-        sampled = self.sampler.next_batch()
-        rows = self.train_data.select(sampled.indices)
-
-        with timer.phase("generate"):
-            batch = self.generate(rows, self.sampling, seed=_step_seed(self.config.trainer.seed, step))
-        with timer.phase("reward"):
-            scores, reward_metrics = self.score(batch, rows)
-            batch[TOKEN_LEVEL_REWARDS] = outcome_rewards(scores, batch[RESPONSE_MASK])
+        batch, rows, epoch, rounds = self.collect(step, timer)
+        metrics = {"training/generation_rounds": float(rounds), **self.reward_metrics}
+        batch[TOKEN_LEVEL_REWARDS] = outcome_rewards(batch[SCORES], batch[RESPONSE_MASK])
         with timer.phase("old_log_probs"):
             if self.recompute_old_log_probs:
                 batch[OLD_LOG_PROBS] = self.actor.compute_log_probs(batch)
@@ -183,7 +183,6 @@ class RLTrainer:
             with timer.phase("values"):
                 batch[VALUES] = self.critic.compute_values(batch)
 
-        metrics = dict(reward_metrics)
         if self.config.algorithm.use_kl_in_reward:
             batch[TOKEN_LEVEL_REWARDS], kl_metrics = apply_kl_penalty(
                 token_level_scores=batch[TOKEN_LEVEL_REWARDS],
@@ -215,12 +214,60 @@ class RLTrainer:
         response_tokens = int(batch[RESPONSE_MASK].sum())
         metrics |= timer.metrics()
         metrics |= {
-            "training/epoch": float(sampled.epoch),
+            "training/epoch": float(epoch),
             "response_length/mean": response_tokens / batch.batch_size[0],
             STEP_TIME_KEY: seconds,
             **perf_metrics(response_tokens, seconds),
         }
         return metrics
+
+    def collect(self, step: int, timer: Timer) -> tuple[TensorDict, list[PromptRow], int, int]:
+        """The step's scored responses: ``rollout.n`` per prompt of the next ``data.train_batch_size``
+        prompts. With ``algorithm.filter_groups`` (DAPO's dynamic sampling), groups whose responses all
+        scored the same are dropped and more prompts are drawn until the batch is full.
+
+        Returns the batch (``SCORES`` and ``UID`` set, groups renumbered from 0), its prompts, the
+        epoch of its first prompt, and the generation rounds it took."""
+        wanted = self.config.data.train_batch_size
+        filtering = self.config.algorithm.filter_groups
+        kept: list[TensorDict] = []
+        kept_rows: list[PromptRow] = []
+        rounds, epoch = 0, None
+        while len(kept_rows) < wanted:
+            if rounds == filtering.max_num_gen_batches:
+                raise RuntimeError(
+                    f"algorithm.filter_groups: after {rounds} generation rounds only {len(kept_rows)} of "
+                    f"{wanted} prompts had responses with different scores; raise "
+                    "algorithm.filter_groups.max_num_gen_batches, or disable filter_groups"
+                )
+            sampled = self.sampler.next_batch()
+            epoch = sampled.epoch if epoch is None else epoch
+            rows = self.train_data.select(sampled.indices)
+            seed = _step_seed(self.config.trainer.seed + 7919 * rounds, step)
+            with timer.phase("generate"):
+                batch = self.generate(rows, self.sampling, seed=seed)
+            with timer.phase("reward"):
+                batch[SCORES], round_metrics = self.score(batch, rows)
+            rounds += 1
+            groups = range(len(rows))
+            if filtering.enable:
+                scores = batch[SCORES].view(len(rows), self.n)
+                groups = [g for g in groups if bool((scores[g] != scores[g][0]).any())]
+            for group in groups:
+                if len(kept_rows) == wanted:
+                    break
+                kept.append(batch[batch[UID] == group])
+                kept_rows.append(rows[group])
+        merged = concat_batches(kept, self.sampling.pad_token_id)
+        merged[UID] = torch.arange(len(kept_rows)).repeat_interleave(self.n)
+        # The reward function's own metrics are the last round's; the scores' are the batch's.
+        scores = merged[SCORES]
+        self.reward_metrics = round_metrics | {
+            REWARD_KEY: float(scores.mean()),
+            "reward/max": float(scores.max()),
+            "reward/min": float(scores.min()),
+        }
+        return merged, kept_rows, epoch, rounds
 
     @property
     def recompute_old_log_probs(self) -> bool:
@@ -242,6 +289,7 @@ class RLTrainer:
         return batch
 
     def score(self, batch: TensorDict, rows: list[PromptRow]) -> tuple[torch.Tensor, dict[str, float]]:
+        # rows[i] is the prompt of the responses whose UID is i.
         """Each response's score from the reward function, and the step's reward metrics."""
         index = batch[UID].tolist()
         responses = decode_responses(self.tokenizer, batch)

@@ -60,3 +60,76 @@ def test_an_unreachable_ray_address_is_an_error_within_seconds(demo, tmp_path) -
     ):
         RayWorkerGroup("actor", lambda: None, world_size=1, address="127.0.0.1:1")
     assert time.monotonic() - started < 15
+
+
+def test_a_killed_worker_ends_the_run_naming_the_role_and_rank_and_the_checkpoint_stays(
+    demo, tmp_path, ray_session
+) -> None:
+    from verl_core.trainer import checkpoints
+
+    overrides = run_overrides(
+        demo,
+        tmp_path,
+        **{
+            "trainer.workers": "ray",
+            "trainer.world_size": 2,
+            "trainer.total_training_steps": 1,
+            "trainer.save_freq": 1,
+        },
+    )
+    trainer = RLTrainer.from_config(load_config([], overrides), show_progress=False)
+    try:
+        trainer.fit()  # step 1, checkpoint 1
+        ray_session.kill(trainer.actor.group.actors[1], no_restart=True)
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match=r"actor rank 1's process died") as caught:
+            trainer.train_step(2)
+        assert time.monotonic() - started < 60
+        assert "the last checkpoint is intact" in str(caught.value)
+    finally:
+        trainer.shutdown()
+    assert [step for step, _ in checkpoints.complete_checkpoints(tmp_path / "checkpoints")] == [1]
+
+
+def test_two_steps_on_a_ray_cluster_started_with_ray_start(demo, tmp_path) -> None:
+    """A real head on loopback (`ray start --head`); the run joins it through trainer.ray_address."""
+    import os
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from verl_core.workers.ray_group import RAY_ENVIRONMENT
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="vr", dir="/tmp")  # Unix socket paths must stay under 108 bytes
+    env = {**os.environ, **RAY_ENVIRONMENT}
+    ray = str(Path(sys.executable).with_name("ray"))
+    head = [ray, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2"]
+    head += ["--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={ray_tmp}"]
+    subprocess.run(head, env=env, check=True, capture_output=True, timeout=120)
+    try:
+        overrides = run_overrides(
+            demo, tmp_path, **{"trainer.workers": "ray", "trainer.ray_address": f"127.0.0.1:{port}"}
+        )
+        result = subprocess.run(
+            [sys.executable, "-m", "verl_core", "train", *overrides],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert "Connecting to existing Ray cluster" in result.stderr or f"127.0.0.1:{port}" in result.stderr
+    finally:
+        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    steps = [
+        json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == [1, 2]

@@ -100,8 +100,9 @@ class RLTrainer:
         self.kl_controller = build_kl_controller(config.algorithm.kl_ctrl)
         self.sampling = _sampling(config.rollout.temperature, config, tokenizer)
         self.global_step = 0
-        #: The last collected batch's reward metrics.
+        #: The last collected batch's reward metrics, and the last step's whole batch.
         self.reward_metrics: dict[str, float] = {}
+        self.last_batch: TensorDict | None = None
 
     @classmethod
     def from_config(cls, config: RunConfig, registry: Any = None, **options: Any) -> RLTrainer:
@@ -209,6 +210,7 @@ class RLTrainer:
             metrics |= self.actor.update(batch, self.num_mini_batches)
         with timer.phase("sync"):
             self.actor.sync_weights()
+        self.last_batch = batch  # the step's whole batch (responses, scores, advantages), for inspection
 
         seconds = time.perf_counter() - started
         response_tokens = int(batch[RESPONSE_MASK].sum())

@@ -88,6 +88,10 @@ class Actor(_Role):
     def sync_weights(self) -> None:
         self.group.call("sync_weights")
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The policy's full weights (Hugging Face names, on the CPU), gathered from the ranks."""
+        return next(result for result in self.group.call("weights") if result is not None)
+
     def save_hf_model(self, path: str) -> None:
         self.group.call("save_hf_model", path)
 

@@ -87,6 +87,14 @@ class ActorWorker:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> TensorDict:
         return self.rollout.generate(prompts, sampling, seed)
 
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """The policy's full weights on the CPU under Hugging Face names, on DP rank 0 (every rank
+        must call it: gathering sharded weights is a collective)."""
+        full = {
+            name: tensor.detach().to("cpu").clone() for name, tensor in self.policy.get_per_tensor_param()
+        }
+        return full if self.policy.dp_rank == 0 and self.policy.is_output_rank else None
+
     def sync_weights(self) -> None:
         """The trained weights into the rollout, one full tensor at a time (a collective on sharded engines)."""
         self.rollout.update_weights(self.policy.get_per_tensor_param())

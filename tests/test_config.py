@@ -50,6 +50,7 @@ from verl_core.config import (
     unstructure,
 )
 from verl_core.config.algorithm import FilterGroupsConfig, LossAggMode
+from verl_core.config.loading import fill_total_steps
 from verl_core.config.validators import InvalidValue
 from verl_core.errors import ConfigError, ConfigWarning
 from verl_core.plugins import Registry, get_registry
@@ -669,7 +670,7 @@ def test_structure_warns_about_another_backends_section_too():
 # -- the decay length: from the run length ------------------------------------------------------------
 
 
-def test_total_steps_0_of_a_decaying_schedule_is_the_run_length(tmp_path):
+def test_total_steps_0_of_a_decaying_schedule_is_the_run_length_in_optimiser_steps(tmp_path):
     overrides = [
         "actor.engine.optim.lr_scheduler=cosine",
         "trainer.total_training_steps=30",
@@ -678,25 +679,27 @@ def test_total_steps_0_of_a_decaying_schedule_is_the_run_length(tmp_path):
         "critic.enable=true",
         "critic.engine={backend: toy, model: {path: /critic}, optim: {lr_scheduler: linear, total_steps: 50}}",
     ]
-    config = load(tmp_path, overrides=overrides)
-    assert config.actor.engine.optim.total_steps == 30
-    assert config.ref.engine.optim.total_steps == 30
+    loaded = load(tmp_path, overrides=overrides)
+    assert loaded.actor.engine.optim.total_steps == 0  # what `verl-core config` prints: the trainer fills it
+    config = fill_total_steps(loaded, 30, updates_per_step=4)  # e.g. 2 mini-batches x 2 epochs
+    assert config.actor.engine.optim.total_steps == 120
+    assert config.ref.engine.optim.total_steps == 120
     assert config.critic.engine.optim.total_steps == 50  # set: kept
-    dumped = write(tmp_path, "dumped.yaml", dump_yaml(config))
-    assert load_config([dumped], registry=REGISTRY) == config  # what is printed is what runs
+    assert fill_total_steps(loaded).actor.engine.optim.total_steps == 30  # trainer.total_training_steps
     constant = load(tmp_path, overrides=["trainer.total_training_steps=30"])
-    assert constant.actor.engine.optim.total_steps == 0  # nothing decays
+    assert fill_total_steps(constant, 30).actor.engine.optim.total_steps == 0  # nothing decays
     by_epochs = load(tmp_path, overrides=["actor.engine.optim.lr_scheduler=cosine"])
-    assert by_epochs.actor.engine.optim.total_steps == 0  # the trainer fills it in from the dataset
+    assert fill_total_steps(by_epochs) == by_epochs  # no run length known yet: nothing filled
 
 
 def test_a_decay_must_outlast_the_warmup(tmp_path):
     warmup = ["actor.engine.optim.lr_scheduler=linear", "actor.engine.optim.lr_warmup_steps=40"]
-    errors = errors_of(tmp_path, overrides=[*warmup, "trainer.total_training_steps=30"])
-    assert errors == {
+    with pytest.raises(ConfigError) as caught:
+        fill_total_steps(load(tmp_path, overrides=warmup), 30)
+    assert dict(caught.value.errors) == {
         "actor.engine.optim.total_steps": "must exceed lr_warmup_steps (40): lr_scheduler 'linear' decays "
-        "after the warmup until total_steps, got 30, filled in from trainer.total_training_steps for "
-        "total_steps: 0"
+        "after the warmup until total_steps, got 30, filled in from the run's length for total_steps: 0 (its "
+        "optimiser steps: trainer steps x updates per step)"
     }
     errors = errors_of(tmp_path, overrides=[*warmup, "actor.engine.optim.total_steps=40"])
     assert errors == {
@@ -856,14 +859,14 @@ def test_example_grpo_config_loads_with_the_installed_ddp_backend():
 
 
 def test_example_grpo_config_builds_an_optimiser_schedule():
-    """Its cosine schedule decays over ``total_steps: 0``, the run's length: the loader fills it in,
-    so that the engine's own check of the schedule passes."""
+    """Its cosine schedule decays over ``total_steps: 0``, the run's length: filled in as the trainer
+    does, the engine's own check of the schedule passes."""
     from verl_core.engine.optim import validate_optim_config
 
     registry = get_registry()
     if "ddp" not in registry.names("engine_backends"):
         pytest.skip("the ddp backend (plugins/verl_ddp) is not installed")
-    config = load_config([REPO / "examples" / "grpo_tiny_ddp.yaml"], registry=registry)
+    config = fill_total_steps(load_config([REPO / "examples" / "grpo_tiny_ddp.yaml"], registry=registry))
     optim = config.actor.engine.optim
     assert (optim.lr_scheduler, optim.total_steps) == ("cosine", config.trainer.total_training_steps)
     validate_optim_config(optim)  # raises ConfigError on the file as shipped before the fill

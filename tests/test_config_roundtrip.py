@@ -250,36 +250,25 @@ trainers = st.builds(
 )
 
 
-def runs_for(engine: EngineConfig, total_training_steps: int | None) -> EngineConfig:
-    """``engine`` as ``load_config`` leaves it: a decaying schedule over ``total_steps: 0`` gets the
-    run length when the run sets one, so the generated config must already hold a length there."""
-    optim = engine.optim
-    if total_training_steps is None or optim.lr_scheduler == "constant" or optim.total_steps:
-        return engine
-    return attrs.evolve(engine, optim=attrs.evolve(optim, total_steps=optim.lr_warmup_steps + 1))
-
-
 @st.composite
 def run_configs(draw: st.DrawFn) -> RunConfig:
-    """Valid configs: the cross-section rules (mini-batches divide the batch, gae has a critic) hold,
-    and ``load_config`` has nothing to fill in (see ``runs_for``)."""
+    """Valid configs: the cross-section rules (mini-batches divide the batch, gae has a critic) hold."""
     mini_batch = draw(st.integers(1, 16))
     algorithm = draw(algorithms)
     trainer = draw(trainers)
-    steps = trainer.total_training_steps
     critic_engine = draw(st.none() | engines) if algorithm.adv_estimator != "gae" else draw(engines)
     ref_engine = draw(st.none() | engines)
     return RunConfig(
         actor=ActorConfig(
-            engine=runs_for(draw(engines), steps),
+            engine=draw(engines),
             policy_loss=draw(policy_losses),
             ppo_mini_batch_size=mini_batch,
             ppo_epochs=draw(st.integers(1, 4)),
         ),
-        ref=RefConfig(engine=None if ref_engine is None else runs_for(ref_engine, steps)),
+        ref=RefConfig(engine=ref_engine),
         critic=CriticConfig(
             enable=algorithm.adv_estimator == "gae" or (critic_engine is not None and draw(st.booleans())),
-            engine=None if critic_engine is None else runs_for(critic_engine, steps),
+            engine=critic_engine,
             loss=CriticLossConfig(
                 cliprange_value=draw(floats(1e-3, 10)), loss_agg_mode=draw(literal(LossAggMode))
             ),

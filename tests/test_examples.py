@@ -11,6 +11,7 @@ import pytest
 from verl_core.config import load_config
 from verl_core.engine import build_engine
 from verl_core.testing import save_tiny_models
+from verl_core.trainer.rl import with_run_length
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.yaml"))
 
@@ -27,12 +28,13 @@ def test_there_are_examples() -> None:
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda path: path.name)
 def test_example_builds_and_initialises_its_engines(example: Path, tiny) -> None:
     overrides = [f"actor.engine.model.path={tiny.lm}", "actor.engine.device=cpu"]
-    config = load_config([example], overrides)
+    config = with_run_length(load_config([example], overrides), num_prompts=64)  # as the trainer fills it
     engines = {"actor.engine": ("lm", config.actor.engine)}
     if config.uses_kl:
         engines["ref.engine"] = ("lm", config.ref_engine)
     if config.critic.enable:
-        critic = load_config([example], [*overrides, f"critic.engine.model.path={tiny.lm}"]).critic.engine
+        critic = load_config([example], [*overrides, f"critic.engine.model.path={tiny.lm}"])
+        critic = with_run_length(critic, num_prompts=64).critic.engine
         engines["critic.engine"] = ("value", critic)
     for path, (role, engine_config) in engines.items():
         engine = build_engine(engine_config, role, config_path=path)

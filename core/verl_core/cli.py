@@ -94,6 +94,19 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(train)
     train.set_defaults(run=_run_train)
 
+    sft = commands.add_parser(
+        "sft",
+        help="supervised fine-tuning on prompt/response pairs as the configuration says",
+        description="Load the configuration like `verl-core config`, then fine-tune actor.engine's model "
+        "on the responses of data.train_files (a prompt and a response column), validating the loss on "
+        "data.val_files and checkpointing like `verl-core train`; the Hugging Face export in "
+        "RUN_DIR/hf_model is an RL run's starting model. Resumes from the newest checkpoint in "
+        "trainer.checkpoint_dir (trainer.resume_mode: auto). Exit 2: invalid input; 1: the run failed; "
+        "0: done.",
+    )
+    _add_config_arguments(sft)
+    sft.set_defaults(run=_run_sft)
+
     plot = commands.add_parser(
         "plot",
         help="redraw a run's curves (reward, validation score, losses) into RUN_DIR/curves.png",
@@ -298,17 +311,28 @@ def _load_run_config(args: argparse.Namespace) -> Any:
     return config
 
 
-# -- verl-core train ------------------------------------------------------------------------------
+# -- verl-core train, verl-core sft ------------------------------------------------------------------
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    from verl_core.trainer.rl import RLTrainer
+
+    return _run_trainer(args, RLTrainer)
+
+
+def _run_sft(args: argparse.Namespace) -> int:
+    from verl_core.trainer.sft import SFTTrainer
+
+    return _run_trainer(args, SFTTrainer)
+
+
+def _run_trainer(args: argparse.Namespace, trainer_class: Any) -> int:
+    """Load the config, build the trainer (exit 2 on bad input), fit (exit 1 if the run fails), plot."""
     config = _load_run_config(args)
     if config is None:
         return 2
-    from verl_core.trainer.rl import RLTrainer
-
     try:
-        trainer = RLTrainer.from_config(config)
+        trainer = trainer_class.from_config(config)
     except VerlCoreError as error:  # bad input found while building: a dataset, a model folder
         print(f"error: {error}", file=sys.stderr)
         return 2

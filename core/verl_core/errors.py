@@ -62,3 +62,7 @@ class RewardError(VerlCoreError):
 class DataError(VerlCoreError, ValueError):
     """A dataset file or row cannot be used, or a sampler state does not fit its dataset (the message
     names the file, row or key, and the fix)."""
+
+
+class TrainerError(VerlCoreError, RuntimeError):
+    """A training run cannot go on: the message says why and what to change."""

@@ -180,8 +180,8 @@ def load_config(
     (``source``) and, where another source set the value, that file or override.
     ``registry`` resolves backend and component names (default: the installed plugins). Options
     the run will ignore are issued as ``ConfigWarning`` s (``path: message``, where it was set).
-    Engines whose learning rate decays over ``optim.total_steps: 0`` get ``trainer.total_training_steps``
-    there, when that is set (``fill_total_steps``).
+    A decaying learning rate's ``optim.total_steps: 0`` stays 0 here: the trainer fills in the run's
+    optimiser steps once it knows the run's length (``fill_total_steps``).
     """
     files = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
     layers = _LayeredData()
@@ -206,7 +206,6 @@ def load_config(
     source = ", ".join(files) or None
     try:
         config, ignored = structure_with_warnings(layers.data, RunConfig, registry=registry)
-        config = fill_total_steps(config)
     except ConfigError as exc:
         errors = [(path, with_origin(path, message)) for path, message in exc.errors]
         raise ConfigError(errors, source=source) from None
@@ -219,15 +218,20 @@ def load_config(
 ENGINE_PATHS = ("actor.engine", "ref.engine", "critic.engine")
 
 
-def fill_total_steps(config: RunConfig) -> RunConfig:
+def fill_total_steps(
+    config: RunConfig, total_steps: int | None = None, updates_per_step: int = 1
+) -> RunConfig:
     """``config`` with ``optim.total_steps`` of each engine whose learning rate decays (``linear``,
-    ``cosine``) and whose ``total_steps`` is 0 ("the run's length") set to
-    ``trainer.total_training_steps``, when that is set; else the trainer fills it in from the
-    dataset length. Raises ``ConfigError`` where the filled-in value leaves no decay after the warmup.
+    ``cosine``) and whose ``total_steps`` is 0 ("the run's length") set to the run's optimiser steps:
+    ``total_steps`` trainer steps (default ``trainer.total_training_steps``; nothing is filled when
+    neither is known) of ``updates_per_step`` optimiser steps each (the RL trainer's mini-batches
+    times epochs; 1 for SFT). The trainers call it once they know the run's length. Raises
+    ``ConfigError`` where the filled-in value leaves no decay after the warmup.
     """
-    steps = config.trainer.total_training_steps
+    steps = config.trainer.total_training_steps if total_steps is None else total_steps
     if steps is None:
         return config
+    steps *= updates_per_step
     errors = []
     for path in ENGINE_PATHS:
         section, name = path.split(".")
@@ -238,7 +242,8 @@ def fill_total_steps(config: RunConfig) -> RunConfig:
         errors += [
             (
                 f"{path}.optim.{key}",
-                f"{message}, filled in from trainer.total_training_steps for total_steps: 0",
+                f"{message}, filled in from the run's length for total_steps: 0 (its optimiser steps: "
+                "trainer steps x updates per step)",
             )
             for key, message in optim.check()
         ]

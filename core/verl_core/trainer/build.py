@@ -6,6 +6,7 @@ from typing import Any
 
 from verl_core.config.engine import ModelConfig
 from verl_core.config.run import RunConfig
+from verl_core.errors import ConfigError
 from verl_core.workers.group import InProcessWorkerGroup, WorkerGroup
 from verl_core.workers.roles import Actor, Critic
 from verl_core.workers.workers import ActorWorker, CriticWorker
@@ -24,14 +25,24 @@ def load_tokenizer(model: ModelConfig) -> Any:
             str(path), trust_remote_code=model.trust_remote_code, local_files_only=True
         )
     except (OSError, ValueError) as error:
-        raise ValueError(
-            f"actor.engine.model.path: {path} has no tokenizer the trainer can load ({error}); save the "
-            "tokenizer beside the model (tokenizer.save_pretrained(path))"
+        raise ConfigError(
+            [
+                (
+                    "actor.engine.model.path",
+                    f"{path} has no tokenizer the trainer can load ({error}); save the tokenizer beside the "
+                    "model (tokenizer.save_pretrained(path))",
+                )
+            ]
         ) from error
     if tokenizer.eos_token_id is None:
-        raise ValueError(
-            f"actor.engine.model.path: the tokenizer of {path} has no EOS token, so generation could never stop: "
-            "set tokenizer.eos_token and save it again"
+        raise ConfigError(
+            [
+                (
+                    "actor.engine.model.path",
+                    f"the tokenizer of {path} has no EOS token, so generation could never stop: set "
+                    "tokenizer.eos_token and save it again",
+                )
+            ]
         )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -12,7 +12,7 @@ The trainer times the phases of a step with ``Timer.phase`` (``timing/generate``
 - moves a progress bar (step/total, reward, tokens/s, ETA) on stderr when that is a terminal.
 
 The trainer, the console line, the progress bar and the plot agree on the metric keys through the
-``*_KEY`` constants below; docs/training-feedback.md lists every key and the run folder's layout.
+``*_KEY`` constants below; docs/training.md ("Metrics, logs and plots") lists every key and the run folder's layout.
 Importing this module imports neither torch nor tqdm: each sink loads what it needs when it is made.
 """
 

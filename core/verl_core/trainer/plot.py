@@ -55,12 +55,14 @@ class Panel:
 
 
 #: The panels of ``curves.png``, in order. ``val/pass@*`` is the overall pass@k of
-#: ``validation.summarize`` (``val/pass@4``); per-data-source metrics are left to TensorBoard.
+#: ``validation.summarize`` (``val/pass@4``); per-data-source metrics are left to TensorBoard. An SFT
+#: run (``verl_core.trainer.sft``) logs only the last panel's keys: its training and validation loss.
 PANELS: tuple[Panel, ...] = (
     Panel("training reward", (REWARD_KEY,)),
     Panel("validation score", (VAL_SCORE_KEY, "val/pass@*")),
     Panel("actor loss", (ACTOR_LOSS_KEY,)),
     Panel("critic loss", (CRITIC_LOSS_KEY,)),
+    Panel("SFT loss", ("sft/loss", "val/loss")),
 )
 
 

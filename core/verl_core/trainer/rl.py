@@ -13,7 +13,6 @@ process); the trainer only ever holds whole batches and materialised results.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from tensordict import TensorDict
 
 from verl_core.algos.kl import apply_kl_penalty, build_kl_controller
 from verl_core.algos.registry import get_advantage_estimator
+from verl_core.config.loading import fill_total_steps
 from verl_core.config.run import RunConfig
 from verl_core.data.batch import (
     ADVANTAGES,
@@ -42,13 +42,15 @@ from verl_core.data.dataset import (
     load_prompt_datasets,
     sequential_batches,
 )
+from verl_core.engine.checkpoint import CheckpointError
+from verl_core.errors import TrainerError
 from verl_core.reward import load_reward_function, score_responses
 from verl_core.rollout.base import ROLLOUT_LOG_PROBS, SamplingParams
 from verl_core.trainer import checkpoints
+from verl_core.trainer.loop import Trainer
 from verl_core.trainer.metrics import (
     REWARD_KEY,
     STEP_TIME_KEY,
-    MetricsLogger,
     Timer,
     perf_metrics,
     validation_samples_path,
@@ -61,9 +63,11 @@ from verl_core.workers.roles import Actor, Critic
 UID = "uid"
 #: The batch key of each response's score from the reward function.
 SCORES = "scores"
+#: ``trainer_state.json``'s ``trainer``: what tells an RL run's checkpoint from an SFT run's.
+TRAINER_KIND = "rl"
 
 
-class RLTrainer:
+class RLTrainer(Trainer):
     """``fit()`` trains the ``actor`` (and the ``critic``, for estimators that need values) on
     ``train_data``, validating on ``val_data``, as ``config`` says; ``run_dir`` collects the metrics,
     validation samples and the final export."""
@@ -112,17 +116,24 @@ class RLTrainer:
 
         tokenizer = load_tokenizer(config.actor.engine.model)
         train_data, val_data = load_prompt_datasets(config.data, config.rollout, tokenizer)
+        config = with_run_length(config, len(train_data))
         actor, critic = build_roles(config, registry)
-        return cls(
-            config,
-            actor=actor,
-            critic=critic,
-            tokenizer=tokenizer,
-            train_data=train_data,
-            val_data=val_data,
-            registry=registry,
-            **options,
-        )
+        try:
+            return cls(
+                config,
+                actor=actor,
+                critic=critic,
+                tokenizer=tokenizer,
+                train_data=train_data,
+                val_data=val_data,
+                registry=registry,
+                **options,
+            )
+        except BaseException:  # the worker groups hold processes: release them
+            actor.shutdown()
+            if critic is not None:
+                critic.shutdown()
+            raise
 
     def shutdown(self) -> None:
         """Release the worker groups."""
@@ -132,37 +143,8 @@ class RLTrainer:
 
     # -- the run ---------------------------------------------------------------------------------
 
-    def fit(self) -> dict[str, float]:
-        """Train from the newest checkpoint (or the start) to ``total_steps``; the last step's metrics."""
-        self.global_step = self.resume()
-        print(f"verl-core: {self.train_data.summary()}", file=sys.stderr)
-        metrics: dict[str, float] = {}
-        with MetricsLogger(
-            self.run_dir,
-            self.config.trainer.logger,
-            self.total_steps,
-            show_progress=self.show_progress,
-            start_step=self.global_step,
-        ) as logger:
-            if self.global_step == 0 and self.val_data is not None and self.config.trainer.test_freq:
-                logger.log(0, self.validate(0))  # where the curve starts
-            while self.global_step < self.total_steps:
-                step = self.global_step + 1
-                metrics = self.train_step(step)
-                self.global_step = step
-                if self.config.trainer.test_freq and (
-                    step % self.config.trainer.test_freq == 0 or step == self.total_steps
-                ):
-                    if self.val_data is not None:
-                        metrics |= self.validate(step)
-                if self.config.trainer.save_freq and (
-                    step % self.config.trainer.save_freq == 0 or step == self.total_steps
-                ):
-                    self.save_checkpoint(step)
-                logger.log(step, metrics)
-        if self.config.trainer.save_hf_model:
-            self.actor.save_hf_model(str(self.run_dir / "hf_model"))
-        return metrics
+    def data_summary(self) -> str:
+        return self.train_data.summary()
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -237,7 +219,7 @@ class RLTrainer:
         rounds, epoch = 0, None
         while len(kept_rows) < wanted:
             if rounds == filtering.max_num_gen_batches:
-                raise RuntimeError(
+                raise TrainerError(
                     f"algorithm.filter_groups: after {rounds} generation rounds only {len(kept_rows)} of "
                     f"{wanted} prompts had responses with different scores; raise "
                     "algorithm.filter_groups.max_num_gen_batches, or disable filter_groups"
@@ -351,6 +333,7 @@ class RLTrainer:
 
     def save_checkpoint(self, step: int) -> Path:
         state = {
+            "trainer": TRAINER_KIND,
             "global_step": step,
             "sampler": self.sampler.state_dict(),
             "kl_coef": self.kl_controller.value,
@@ -363,12 +346,31 @@ class RLTrainer:
         if found is None:
             return 0
         state = checkpoints.load(found, self.actor, self.critic)
+        if state.get("trainer") != TRAINER_KIND:
+            raise CheckpointError(
+                f"{found} was saved by the {state.get('trainer', 'unknown')!r} trainer, not by an RL run: start "
+                "from its Hugging Face export (actor.engine.model.path) with another trainer.checkpoint_dir"
+            )
         self.sampler.load_state_dict(state["sampler"])
         self.kl_controller.value = state["kl_coef"]
         return int(state["global_step"])
 
 
 # -- helpers ------------------------------------------------------------------------------------------
+
+
+def updates_per_step(config: RunConfig) -> int:
+    """Optimiser steps per training step: every mini-batch of every epoch (the critic's too)."""
+    return config.data.train_batch_size // config.actor.ppo_mini_batch_size * config.actor.ppo_epochs
+
+
+def with_run_length(config: RunConfig, num_prompts: int) -> RunConfig:
+    """``config`` with a decaying learning rate's ``optim.total_steps: 0`` set to the run's optimiser
+    steps: ``trainer.total_training_steps`` (or ``total_epochs`` epochs of ``num_prompts`` prompts)
+    times ``updates_per_step``."""
+    sampler = EpochSampler(num_prompts, config.data.train_batch_size, shuffle=False)
+    steps = config.trainer.total_training_steps or sampler.total_steps(config.trainer.total_epochs)
+    return fill_total_steps(config, steps, updates_per_step(config))
 
 
 def _sampling(temperature: float, config: RunConfig, tokenizer: Any) -> SamplingParams:

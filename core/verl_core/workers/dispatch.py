@@ -16,6 +16,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_core.data.batch import ATTENTION_MASK
+from verl_core.errors import ConfigError
 
 
 @attrs.frozen
@@ -48,9 +49,15 @@ def balanced_shards(lengths: Sequence[int], dp_size: int) -> list[torch.Tensor]:
     shard as even as a snake order over the rows sorted by length makes it. Each shard keeps its rows
     in batch order."""
     if len(lengths) % dp_size:
-        raise ValueError(
-            f"{len(lengths)} sequences cannot be split evenly over {dp_size} data-parallel ranks: make "
-            "data.train_batch_size x rollout.n a multiple of the data-parallel size"
+        raise ConfigError(
+            [
+                (
+                    "data.train_batch_size",
+                    f"{len(lengths)} sequences cannot be split evenly over {dp_size} data-parallel ranks: make "
+                    "the sequences of a step (prompts x rollout.n for RL, data.train_batch_size for SFT) a "
+                    "multiple of the data-parallel size (trainer.world_size)",
+                )
+            ]
         )
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     shards: list[list[int]] = [[] for _ in range(dp_size)]
@@ -64,7 +71,14 @@ def split_batch(batch: TensorDict, dp_size: int, balance: bool = True) -> list[t
     """Row indices of each DP rank's shard of ``batch``: balanced by sequence length, or contiguous."""
     if not balance:
         if batch.batch_size[0] % dp_size:
-            raise ValueError(f"{batch.batch_size[0]} rows cannot be split evenly over {dp_size} DP ranks")
+            raise ConfigError(
+                [
+                    (
+                        "data.train_batch_size",
+                        f"{batch.batch_size[0]} rows cannot be split evenly over {dp_size} DP ranks",
+                    )
+                ]
+            )
         return list(torch.arange(batch.batch_size[0]).chunk(dp_size))
     return balanced_shards(batch[ATTENTION_MASK].sum(dim=-1).tolist(), dp_size)
 

@@ -15,6 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_core.data.batch import concat_batches
+from verl_core.errors import ConfigError
 from verl_core.rollout.base import SamplingParams
 from verl_core.workers.dispatch import (
     Topology,
@@ -65,8 +66,14 @@ class Actor(_Role):
         """One response per prompt, each DP rank generating its contiguous share (seeded by ``seed``
         and its DP rank); the batch contract in prompt order."""
         if len(prompts) % self.dp_size:
-            raise ValueError(
-                f"{len(prompts)} prompts to generate cannot be split over {self.dp_size} data-parallel ranks"
+            raise ConfigError(
+                [
+                    (
+                        "data.train_batch_size",
+                        f"{len(prompts)} prompts to generate (prompts x rollout.n) cannot be split evenly over "
+                        f"{self.dp_size} data-parallel ranks (trainer.world_size): make it a multiple",
+                    )
+                ]
             )
         shards = list(torch.arange(len(prompts)).chunk(self.dp_size))
         args = [

@@ -1,9 +1,10 @@
 """``HFRollout``: core's built-in rollout, a KV-cache decoding loop over a Hugging Face causal LM.
 
 The prompts of a batch are left-padded and prefilled in one forward pass; then each step feeds the
-batch's newest token with the cache, the attention mask grown by one column (0 for rows that have
-finished) and each row's next position. A row finishes at an EOS token (kept as the response's last
-token) or at ``max_new_tokens``; decoding stops once every row has finished. Responses come back
+newest token of every row still decoding with the cache, the attention mask grown by one column and
+each row's next position. A row finishes at an EOS token (kept as the response's last token) or at
+``max_new_tokens``; a finished row leaves the batch and the cache at once, so later steps cost only
+what the remaining rows need; decoding stops once every row has finished. Responses come back
 right-padded to the longest one, with the log-probs of their tokens (see ``verl_core.rollout.base``).
 
 The rollout holds its own copy of the weights (in eval mode, no gradients) and takes the trained
@@ -118,7 +119,9 @@ class HFRollout(BaseRollout):
         responses = torch.full((batch, sampling.max_new_tokens), sampling.pad_token_id, dtype=torch.int64)
         log_probs = torch.zeros(batch, sampling.max_new_tokens)
         response_mask = torch.zeros(batch, sampling.max_new_tokens, dtype=torch.int64)
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        # The rows still decoding: a row that has sampled EOS leaves the batch (and the cache), so
+        # the steps after it cost only what the rows still generating need.
+        rows = torch.arange(batch)
         next_position = positions[:, -1] + 1
         cache = DynamicCache()
         logits = model(
@@ -126,22 +129,25 @@ class HFRollout(BaseRollout):
             attention_mask=attention_mask,
             position_ids=positions,
             use_cache=True,
-            **{self._cache_argument: cache},
             logits_to_keep=1,
+            **{self._cache_argument: cache},
         ).logits[:, -1]
         steps = 0
         for step in range(sampling.max_new_tokens):
             tokens, token_log_probs = sample_next(logits, sampling, generator)
-            active = ~finished
-            tokens = torch.where(active, tokens, sampling.pad_token_id)
-            responses[:, step] = tokens.cpu()
-            log_probs[:, step] = torch.where(active, token_log_probs, 0.0).cpu()
-            response_mask[:, step] = active.long().cpu()
+            responses[rows, step] = tokens.cpu()
+            log_probs[rows, step] = token_log_probs.cpu()
+            response_mask[rows, step] = 1
             steps = step + 1
-            finished = finished | (active & torch.isin(tokens, eos))
-            if bool(finished.all()) or steps == sampling.max_new_tokens:
+            going_on = ~torch.isin(tokens, eos)
+            if not bool(going_on.any()) or steps == sampling.max_new_tokens:
                 break
-            attention_mask = torch.cat([attention_mask, active[:, None].long()], dim=-1)
+            if not bool(going_on.all()):
+                keep = going_on.nonzero()[:, 0]
+                cache.batch_select_indices(keep)
+                rows, tokens = rows[keep.cpu()], tokens[keep]
+                attention_mask, next_position = attention_mask[keep], next_position[keep]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=-1)
             logits = model(
                 input_ids=tokens[:, None],
                 attention_mask=attention_mask,

@@ -58,7 +58,19 @@ TOKENS_PER_S_KEY = "perf/tokens_per_s"
 #: This process's peak memory so far, in MiB (``peak_memory``).
 PEAK_MEMORY_KEY = "perf/peak_memory_mib"
 #: Keys the console line shows first, in this order, where the step has them; the others follow sorted.
-CONSOLE_FIRST: tuple[str, ...] = (REWARD_KEY, VAL_SCORE_KEY, ACTOR_LOSS_KEY, CRITIC_LOSS_KEY, STEP_TIME_KEY)
+CONSOLE_FIRST: tuple[str, ...] = (
+    REWARD_KEY,
+    VAL_SCORE_KEY,
+    ACTOR_LOSS_KEY,
+    CRITIC_LOSS_KEY,
+    "sft/loss",
+    "val/loss",
+    "actor/grad_norm",
+    "actor/lr",
+    "response_length/mean",
+    TOKENS_PER_S_KEY,
+    STEP_TIME_KEY,
+)
 #: Bytes in a MiB.
 MIB = 1024 * 1024
 
@@ -328,10 +340,14 @@ def _format(value: float) -> str:
 
 
 def console_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> str:
-    """``step 3/100 reward/mean=0.42 ... perf/step_s=3.21 <the others, sorted>``."""
-    first = [key for key in CONSOLE_FIRST if key in metrics]
-    keys = first + sorted(key for key in metrics if key not in first)
-    return " ".join([f"step {step}/{total_steps}", *(f"{key}={_format(metrics[key])}" for key in keys)])
+    """``step 3/100 reward/mean=0.42 ... perf/step_s=3.21 (+N more in metrics.jsonl)``: the
+    ``CONSOLE_FIRST`` keys the step has; every metric is in the JSONL file."""
+    keys = [key for key in CONSOLE_FIRST if key in metrics]
+    more = len(metrics) - len(keys)
+    tail = [f"(+{more} more in {METRICS_FILE})"] if more else []
+    return " ".join(
+        [f"step {step}/{total_steps}", *(f"{key}={_format(metrics[key])}" for key in keys), *tail]
+    )
 
 
 # -- JSONL files ----------------------------------------------------------------------------------

@@ -51,6 +51,29 @@ def test_grpo_on_two_fsdp_ranks_under_ray(demo, tmp_path, ray_session) -> None:
     assert (tmp_path / "checkpoints" / "global_step_2" / "actor").is_dir()
 
 
+def test_ppo_with_a_critic_on_two_fsdp_ranks_under_ray(demo, tmp_path, ray_session) -> None:
+    critic = f"{{backend: fsdp, model: {{path: {demo.model}}}, device: cpu, optim: {{lr: 1e-3}}}}"
+    overrides = run_overrides(
+        demo,
+        tmp_path,
+        backend="fsdp",
+        **{
+            "trainer.workers": "ray",
+            "trainer.world_size": 2,
+            "algorithm.adv_estimator": "gae",
+            "critic.enable": "true",
+            "critic.engine": critic,
+        },
+    )
+    trainer = RLTrainer.from_config(load_config([], overrides), show_progress=False)
+    try:
+        assert trainer.critic.dp_size == 2
+        final = trainer.fit()
+    finally:
+        trainer.shutdown()
+    assert final["critic/vf_loss"] > 0 and final["critic/grad_norm"] > 0 and final["actor/grad_norm"] > 0
+
+
 def test_an_unreachable_ray_address_is_an_error_within_seconds(demo, tmp_path) -> None:
     from verl_core.workers.ray_group import RayWorkerGroup
 

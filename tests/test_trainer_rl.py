@@ -179,3 +179,19 @@ def test_a_reward_function_that_raises_names_the_sample(demo, tmp_path) -> None:
         trainer.fit()
     message = str(caught.value)
     assert "sample 0" in message and "rev " in message and "cannot parse" in message
+
+
+def test_a_checkpoint_at_an_epoch_boundary_resumes_into_the_next_epoch(tmp_path) -> None:
+    """verl's issue 7401: resuming there trained zero steps. Two steps make an epoch of 8 prompts."""
+    small = build_small_demo(tmp_path / "demo", train_size=8, val_size=4)
+    changes = {"trainer.save_freq": 2, "trainer.total_training_steps": 3}
+    straight = trainer_for(small, tmp_path / "straight", **changes)
+    straight.fit()
+    first = trainer_for(small, tmp_path / "resumed", **changes | {"trainer.total_training_steps": 2})
+    first.fit()  # ends exactly at the epoch boundary, with its checkpoint
+    resumed = trainer_for(small, tmp_path / "resumed", **changes)
+    final = resumed.fit()
+    assert resumed.global_step == 3 and final["training/epoch"] == 1.0  # a step of the next epoch ran
+    expected = metrics_lines(tmp_path / "straight")[-1]
+    for key in ("reward/mean", "actor/loss", "actor/grad_norm"):
+        assert final[key] == expected[key], key

@@ -49,23 +49,32 @@ def load_tokenizer(model: ModelConfig) -> Any:
     return tokenizer
 
 
-def worker_group(config: RunConfig, role: str, make_worker: Any) -> WorkerGroup:
-    """The worker group ``trainer.workers`` says for ``role``."""
+def worker_group(config: RunConfig, role: str, make_worker: Any, device: str = "cpu") -> WorkerGroup:
+    """The worker group ``trainer.workers`` says for ``role``, whose engine computes on ``device``
+    (an ``EngineConfig.device``: under Ray, a CUDA engine gets one GPU per rank and NCCL)."""
     if config.trainer.workers == "in_process":
         return InProcessWorkerGroup(role, make_worker)
+    from verl_core.engine.device import device_type
     from verl_core.workers.ray_group import RayWorkerGroup
 
     return RayWorkerGroup(
-        role, make_worker, world_size=config.trainer.world_size, address=config.trainer.ray_address
+        role,
+        make_worker,
+        world_size=config.trainer.world_size,
+        address=config.trainer.ray_address,
+        device=device_type(device, f"{role}.engine.device"),
     )
 
 
 def build_roles(config: RunConfig, registry: Any = None) -> tuple[Actor, Critic | None]:
     """The actor and (with ``critic.enable``) the critic, their engines initialised on every rank."""
-    actor = Actor(worker_group(config, "actor", _Maker(ActorWorker, config, registry)))
+    actor = Actor(
+        worker_group(config, "actor", _Maker(ActorWorker, config, registry), config.actor.engine.device)
+    )
     critic = None
     if config.critic.enable:
-        critic = Critic(worker_group(config, "critic", _Maker(CriticWorker, config, registry)))
+        maker = _Maker(CriticWorker, config, registry)
+        critic = Critic(worker_group(config, "critic", maker, config.critic.engine.device))
     return actor, critic
 
 

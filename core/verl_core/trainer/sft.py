@@ -91,7 +91,9 @@ class SFTTrainer(Trainer):
         tokenizer = load_tokenizer(config.actor.engine.model)
         train_data, val_data = load_sft_datasets(config.data, config.rollout, tokenizer)
         config = _decay_over_the_run(config, _run_length(config, _sampler(config, len(train_data))))
-        actor = SFT(worker_group(config, "sft", _Maker(SFTWorker, config, registry)))
+        actor = SFT(
+            worker_group(config, "sft", _Maker(SFTWorker, config, registry), config.actor.engine.device)
+        )
         try:
             return cls(
                 config, actor=actor, tokenizer=tokenizer, train_data=train_data, val_data=val_data, **options

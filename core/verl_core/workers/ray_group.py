@@ -121,7 +121,9 @@ class RayWorkerGroup(WorkerGroup):
     ):
         ray = ensure_ray(address)
         self.role, self.world_size = role, world_size
-        remote = ray.remote(num_cpus=0, max_restarts=0)(_Rank)
+        # One GPU per rank on CUDA: Ray then makes that GPU the rank's only visible one (cuda:0).
+        gpus = 1 if device.startswith("cuda") else 0
+        remote = ray.remote(num_cpus=0, num_gpus=gpus, max_restarts=0)(_Rank)
         self.actors = [remote.remote(role, rank, world_size) for rank in range(world_size)]
         host, port = self._wait([self.actors[0].rendezvous_address.remote()])[0]
         self._wait([actor.setup.remote(host, port, make_worker, device) for actor in self.actors])

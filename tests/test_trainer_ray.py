@@ -156,3 +156,21 @@ def test_two_steps_on_a_ray_cluster_started_with_ray_start(demo, tmp_path) -> No
         json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ]
     assert steps == [1, 2]
+
+
+def test_responses_that_do_not_split_over_the_ranks_are_refused_before_the_first_step(
+    demo, tmp_path, ray_session
+) -> None:
+    from verl_core.errors import ConfigError
+
+    overrides = run_overrides(
+        demo, tmp_path, **{"trainer.workers": "ray", "trainer.world_size": 3, "rollout.n": 2}
+    )
+    with pytest.raises(ConfigError) as caught:
+        RLTrainer.from_config(load_config([], overrides), show_progress=False)
+    message = str(caught.value)
+    assert (
+        "data.train_batch_size: 4 prompts x rollout.n=2 = 8 responses cannot be split evenly over 3"
+        in message
+    )
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing ran

@@ -43,7 +43,7 @@ from verl_core.data.dataset import (
     sequential_batches,
 )
 from verl_core.engine.checkpoint import CheckpointError
-from verl_core.errors import TrainerError
+from verl_core.errors import ConfigError, TrainerError
 from verl_core.reward import load_reward_function, score_responses
 from verl_core.rollout.base import ROLLOUT_LOG_PROBS, SamplingParams
 from verl_core.trainer import checkpoints
@@ -99,6 +99,7 @@ class RLTrainer(Trainer):
             config.trainer.total_epochs
         )
         self.num_mini_batches = config.data.train_batch_size // config.actor.ppo_mini_batch_size
+        _check_divides(config, actor.dp_size)
         self.estimator = get_advantage_estimator(config.algorithm.adv_estimator, registry)
         self.reward_function = load_reward_function(config.reward.function, registry)
         self.kl_controller = build_kl_controller(config.algorithm.kl_ctrl)
@@ -357,6 +358,27 @@ class RLTrainer(Trainer):
 
 
 # -- helpers ------------------------------------------------------------------------------------------
+
+
+def _check_divides(config: RunConfig, dp_size: int) -> None:
+    """Every step splits its responses, and every mini-batch, evenly over the DP ranks: refuse
+    sizes that cannot, before the first step runs."""
+    n = config.rollout.n
+    sizes = {
+        "data.train_batch_size": config.data.train_batch_size * n,
+        "actor.ppo_mini_batch_size": config.actor.ppo_mini_batch_size * n,
+    }
+    errors = [
+        (
+            key,
+            f"{value // n} prompts x rollout.n={n} = {value} responses cannot be split evenly over {dp_size} "
+            f"data-parallel ranks (trainer.world_size): make the responses a multiple of {dp_size}",
+        )
+        for key, value in sizes.items()
+        if value % dp_size
+    ]
+    if errors:
+        raise ConfigError(errors)
 
 
 def updates_per_step(config: RunConfig) -> int:

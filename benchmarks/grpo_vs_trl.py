@@ -128,6 +128,7 @@ def run_ours(paths: Any, work: Path, args: argparse.Namespace, threads: int) -> 
         "actor.engine.optim.weight_decay": 0.0,
         "actor.engine.optim.clip_grad": 1.0,
         "actor.engine.micro_batch.micro_batch_size": batch,
+        "actor.engine.micro_batch.packing": str(args.packing).lower(),
         "actor.ppo_mini_batch_size": args.prompts,
         "actor.ppo_epochs": 1,
         "rollout.n": args.group,
@@ -348,6 +349,12 @@ def main() -> int:
     parser.add_argument("--prompt-length", type=int, default=16)
     parser.add_argument("--response-length", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument(
+        "--packing",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="this trainer's padding-free micro-batches (actor.engine.micro_batch.packing; slower on CPU here)",
+    )
     parser.add_argument("--no-trl", action="store_true", help="run this trainer only")
     parser.add_argument("--json", action="store_true", help="print every figure as one JSON object, last")
     args = parser.parse_args()

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import attrs
 import pytest
 import torch
 import torch.distributed as dist
@@ -152,6 +153,26 @@ class UnsyncedExportEngine(DDPEngine):
             export_hf_model(self.module, path, tokenizer_source=self.config.model.path)
 
 
+class CrossingPackingEngine(DDPEngine):
+    """Packs micro-batches without restarting the positions per sequence: attention then runs across
+    the packed sequences (each one sees the ones before it)."""
+
+    def forward_backward_batch(self, batch, loss_fn, forward_only):
+        from verl_core.engine import hf
+
+        original = hf.pack_sequences
+
+        def crossing(attention_mask, response_length):
+            packed = original(attention_mask, response_length)
+            return attrs.evolve(packed, position_ids=torch.arange(packed.position_ids.shape[1])[None])
+
+        hf.pack_sequences = crossing
+        try:
+            return super().forward_backward_batch(batch, loss_fn, forward_only)
+        finally:
+            hf.pack_sequences = original
+
+
 class HangingEngine(DDPEngine):
     """Never finishes initialising (a rendezvous that never completes)."""
 
@@ -168,6 +189,7 @@ BROKEN_ENGINES = {
     "ddp-inner-optimizer-scheduler": InnerOptimizerSchedulerEngine,
     "ddp-lazy-offload": LazyOffloadEngine,
     "ddp-unsynced-export": UnsyncedExportEngine,
+    "ddp-crossing-packing": CrossingPackingEngine,
     "ddp-hanging": HangingEngine,
 }
 
@@ -264,6 +286,14 @@ def test_offload_that_keeps_the_optimizer_state_on_the_device_is_caught() -> Non
     )
     failing = failing_quantities(report, "offload")
     assert 'to("cpu", optimizer=True) frees the optimiser state' in failing, report.summary()
+
+
+@pytest.mark.distributed
+def test_attention_across_packed_sequences_is_caught_by_the_packing_check() -> None:
+    report = run_broken("ddp-crossing-packing", 1, ("packing", "log_probs"))
+    assert report["log_probs"].passed, report.summary()  # padded micro-batches are fine
+    failing = failing_quantities(report, "packing")
+    assert "packed: log_probs" in failing and "packed: loss" in failing, report.summary()
 
 
 @pytest.mark.distributed

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import attrs
 import torch
 from tensordict import TensorDict
 from transformers import (
@@ -132,32 +133,81 @@ def load_hf_model(
 
 
 def forward_micro_batch(
-    model: torch.nn.Module, micro_batch: TensorDict, role: str
+    model: torch.nn.Module, micro_batch: TensorDict, role: str, packing: bool = False
 ) -> dict[str, torch.Tensor]:
     """Run ``model`` (possibly wrapped, e.g. by DDP) on one micro-batch of the batch contract.
 
     Returns ``{"log_probs": [b, R]}`` plus ``{"entropy": [b, R]}`` when the batch's
     ``compute_entropy`` is set, for ``lm``; ``{"values": [b, R]}`` for ``value``. Response token
     ``t`` is predicted from the logits at column ``P + t - 1`` (``P = L - R``, the prompt length).
+    With ``packing`` the sequences run padding-free (``pack_sequences``): the same outputs on every
+    real response token, 0 on padding.
     """
     response_length = micro_batch[RESPONSES].shape[-1]
-    # Logits of the last R + 1 columns suffice; models that ignore ``logits_to_keep`` return all L.
-    output = model(
-        input_ids=micro_batch[INPUT_IDS],
-        attention_mask=micro_batch[ATTENTION_MASK],
-        position_ids=micro_batch[POSITION_IDS],
-        use_cache=False,
-        **({"logits_to_keep": response_length + 1} if role == "lm" else {}),
-    )
-    response_logits = output.logits[:, -response_length - 1 : -1]
+    if packing:
+        packed = pack_sequences(micro_batch[ATTENTION_MASK], response_length)
+        output = model(
+            input_ids=micro_batch[INPUT_IDS][packed.mask][None],
+            position_ids=packed.position_ids,
+            attention_mask=None,  # with restarting positions: attention stays within each sequence
+            use_cache=False,
+        )
+        response_logits = output.logits[0][packed.predicting]
+    else:
+        # Logits of the last R + 1 columns suffice; models that ignore ``logits_to_keep`` return all L.
+        output = model(
+            input_ids=micro_batch[INPUT_IDS],
+            attention_mask=micro_batch[ATTENTION_MASK],
+            position_ids=micro_batch[POSITION_IDS],
+            use_cache=False,
+            **({"logits_to_keep": response_length + 1} if role == "lm" else {}),
+        )
+        response_logits = output.logits[:, -response_length - 1 : -1]
     if role == "value":
-        return {VALUES: response_logits.squeeze(-1).float()}
-    temperature = float(_non_tensor(micro_batch, TEMPERATURE, 1.0))
-    compute_entropy = bool(_non_tensor(micro_batch, COMPUTE_ENTROPY, False))
-    log_probs, entropy = log_probs_and_entropy(
-        response_logits, micro_batch[RESPONSES], temperature, compute_entropy
+        outputs = {VALUES: response_logits.squeeze(-1).float()}
+    else:
+        temperature = float(_non_tensor(micro_batch, TEMPERATURE, 1.0))
+        compute_entropy = bool(_non_tensor(micro_batch, COMPUTE_ENTROPY, False))
+        log_probs, entropy = log_probs_and_entropy(
+            response_logits, micro_batch[RESPONSES], temperature, compute_entropy
+        )
+        outputs = {LOG_PROBS: log_probs} if entropy is None else {LOG_PROBS: log_probs, ENTROPY: entropy}
+    if packing:
+        outputs = {name: value * packed.response_present for name, value in outputs.items()}
+    return outputs
+
+
+@attrs.frozen
+class PackedSequences:
+    """A micro-batch's sequences concatenated without padding, and how to find each response in it.
+
+    ``mask`` selects the real tokens of the padded ``[b, L]`` batch (row by row: each row's prompt
+    then its response); ``position_ids`` ``[1, T]`` restart at 0 for every sequence; ``predicting``
+    ``[b, R]`` is the packed position whose logits predict response token ``t`` of row ``i``
+    (clamped on padding); ``response_present`` ``[b, R]`` is 1 where that token exists.
+    """
+
+    mask: torch.Tensor
+    position_ids: torch.Tensor
+    predicting: torch.Tensor
+    response_present: torch.Tensor
+
+
+def pack_sequences(attention_mask: torch.Tensor, response_length: int) -> PackedSequences:
+    """Where each sequence of a left-padded-prompt, right-padded-response batch lands once packed."""
+    mask = attention_mask.bool()
+    lengths = mask.sum(dim=-1)
+    responses = mask[:, -response_length:].sum(dim=-1)
+    prompts = lengths - responses
+    starts = torch.cumsum(lengths, dim=0) - lengths
+    position_ids = torch.cat([torch.arange(int(n), device=mask.device) for n in lengths])[None]
+    steps = torch.arange(response_length, device=mask.device)[None, :]
+    present = steps < responses[:, None]
+    predicting = starts[:, None] + prompts[:, None] + steps - 1
+    total = int(lengths.sum())
+    return PackedSequences(
+        mask, position_ids, predicting.clamp(0, max(total - 1, 0)), present.to(torch.float32)
     )
-    return {LOG_PROBS: log_probs} if entropy is None else {LOG_PROBS: log_probs, ENTROPY: entropy}
 
 
 def export_hf_model(

@@ -111,7 +111,9 @@ class HFEngine(TorchOptimizerSteps, BaseEngine):
         self._initialized()
         return run_micro_batches(
             batch,
-            forward=lambda micro_batch: forward_micro_batch(self.model, micro_batch, self.role),
+            forward=lambda micro_batch: forward_micro_batch(
+                self.model, micro_batch, self.role, packing=self.config.micro_batch.packing
+            ),
             loss_fn=loss_fn,
             forward_only=forward_only,
             micro_batch_config=self.config.micro_batch,

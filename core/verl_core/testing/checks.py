@@ -360,6 +360,20 @@ def check_micro_batch_invariance(ctx: RankContext) -> list[Comparison]:
     return comparisons
 
 
+def check_packing(ctx: RankContext) -> list[Comparison]:
+    """Padding-free micro-batches (``micro_batch.packing``) change nothing: the same outputs and the
+    same first step as the reference, which runs every sample alone (attention crossing from one
+    packed sequence into the next shows as a difference)."""
+    split = attrs.evolve(BASE_MICRO_BATCH, micro_batch_size=4, packing=True)
+    engine = ctx.engine(micro_batch=split)
+    outputs = infer(engine, ctx.local_batch("A"))
+    comparisons = []
+    if engine.is_output_rank:
+        comparisons += _compare_outputs(ctx, "packing", outputs, ("log_probs", "entropy"), prefix="packed: ")
+    metrics = train_step(engine, ctx.local_batch("A"))
+    return comparisons + _compare_first_step(ctx, "packing", metrics, exported(engine), "packed: ")
+
+
 def check_dp_invariance(ctx: RankContext) -> list[Comparison]:
     if ctx.world_size == 1:
         raise CheckSkipped("needs world_size > 1: data-parallel invariance is checked at 2 or more ranks")
@@ -707,6 +721,11 @@ CHECKS: dict[str, Check] = {
             "micro_batch_invariance",
             check_micro_batch_invariance,
             "micro-batch size 1, the whole share, and token-budget batching all give the reference's results",
+        ),
+        Check(
+            "packing",
+            check_packing,
+            "padding-free micro-batches (micro_batch.packing) give the reference's outputs and first step",
         ),
         Check(
             "dp_invariance",

@@ -114,6 +114,24 @@ def test_a_killed_worker_ends_the_run_naming_the_role_and_rank_and_the_checkpoin
     assert [step for step, _ in checkpoints.complete_checkpoints(tmp_path / "checkpoints")] == [1]
 
 
+def stop_processes_mentioning(marker: str) -> None:
+    """Kill every process whose command line or environment contains ``marker`` (the head's temp
+    folder: Ray renames its processes, but they inherit the environment ``ray start`` got)."""
+    import os
+    import signal
+    from pathlib import Path
+
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            seen = (proc / "cmdline").read_bytes() + (proc / "environ").read_bytes()
+            if marker.encode() in seen:
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            continue
+
+
 def test_two_steps_on_a_ray_cluster_started_with_ray_start(demo, tmp_path) -> None:
     """A real head on loopback (`ray start --head`); the run joins it through trainer.ray_address."""
     import os
@@ -131,7 +149,7 @@ def test_two_steps_on_a_ray_cluster_started_with_ray_start(demo, tmp_path) -> No
     import tempfile
 
     ray_tmp = tempfile.mkdtemp(prefix="vr", dir="/tmp")  # Unix socket paths must stay under 108 bytes
-    env = {**os.environ, **RAY_ENVIRONMENT}
+    env = {**os.environ, **RAY_ENVIRONMENT, "VERL_TEST_RAY_HEAD": ray_tmp}
     ray = str(Path(sys.executable).with_name("ray"))
     head = [ray, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2"]
     head += ["--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={ray_tmp}"]
@@ -150,7 +168,8 @@ def test_two_steps_on_a_ray_cluster_started_with_ray_start(demo, tmp_path) -> No
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert "Connecting to existing Ray cluster" in result.stderr or f"127.0.0.1:{port}" in result.stderr
     finally:
-        subprocess.run([ray, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        # Not `ray stop`: it stops every Ray cluster on the machine, this test process's own included.
+        stop_processes_mentioning(ray_tmp)
         shutil.rmtree(ray_tmp, ignore_errors=True)
     steps = [
         json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

@@ -174,7 +174,7 @@ def fake_loader(monkeypatch):
     """Stand-ins for the config loader, recording how the command calls it."""
     calls = []
 
-    def load_config(paths, overrides):
+    def load_config(paths, overrides, rl_rules=True):
         calls.append((list(paths), list(overrides)))
         if any(o.startswith("bad") for o in overrides):
             raise ConfigError(

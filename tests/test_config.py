@@ -870,3 +870,14 @@ def test_example_grpo_config_builds_an_optimiser_schedule():
     optim = config.actor.engine.optim
     assert (optim.lr_scheduler, optim.total_steps) == ("cosine", config.trainer.total_training_steps)
     validate_optim_config(optim)  # raises ConfigError on the file as shipped before the fill
+
+
+def test_an_sft_config_is_not_held_to_the_rl_rules(tmp_path):
+    """SFT reads no estimator, rollout group or PPO mini-batch: the default estimator gae without a
+    critic, or a mini-batch that does not divide the batch, is fine there (and refused for RL)."""
+    overrides = ["data.train_batch_size=6", "actor.ppo_mini_batch_size=4", "algorithm.adv_estimator=gae"]
+    errors = errors_of(tmp_path, overrides=overrides)
+    assert {"critic.enable", "actor.ppo_mini_batch_size"} <= set(errors)
+    path = write(tmp_path, "sft.yaml", VALID)
+    config = load_config([path], overrides, registry=REGISTRY, rl_rules=False)
+    assert config.algorithm.adv_estimator == "gae" and not config.critic.enable

@@ -268,7 +268,7 @@ def _run_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_run_config(args: argparse.Namespace) -> Any:
+def _load_run_config(args: argparse.Namespace, rl_rules: bool = True) -> Any:
     """The run config of ``args.items`` (files and overrides) and ``args.override``, or ``None`` after
     printing every error; the options the run will ignore are printed as warnings."""
     # The loader imports cattrs and yaml: only the commands that load a config pay for them.
@@ -297,7 +297,7 @@ def _load_run_config(args: argparse.Namespace) -> Any:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigWarning)
         try:
-            config, error = load_config(paths, overrides + args.override), None
+            config, error = load_config(paths, overrides + args.override, rl_rules=rl_rules), None
         except ConfigError as exc:
             config, error = None, exc
     for warning in caught:  # each option the run will ignore, as ``warning: <path>: <message>``
@@ -328,7 +328,7 @@ def _run_sft(args: argparse.Namespace) -> int:
 
 def _run_trainer(args: argparse.Namespace, trainer_class: Any) -> int:
     """Load the config, build the trainer (exit 2 on bad input), fit (exit 1 if the run fails), plot."""
-    config = _load_run_config(args)
+    config = _load_run_config(args, rl_rules=trainer_class.uses_rl_rules)
     if config is None:
         return 2
     try:

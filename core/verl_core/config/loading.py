@@ -21,7 +21,7 @@ import yaml
 from verl_core.config import yaml_io
 from verl_core.config.convert import join_path, structure_with_warnings, unstructure
 from verl_core.config.engine import EngineConfig
-from verl_core.config.run import RunConfig
+from verl_core.config.run import RL_RULES, RunConfig
 from verl_core.errors import ConfigError, ConfigWarning
 
 if TYPE_CHECKING:
@@ -173,8 +173,12 @@ def load_config(
     overrides: Iterable[str] = (),
     *,
     registry: Registry | None = None,
+    rl_rules: bool = True,
 ) -> RunConfig:
     """Merge the YAML files ``paths`` in order, apply ``overrides`` (``key=value``), structure.
+
+    ``rl_rules=False`` (an SFT run's config) leaves out the RL trainer's cross-section rules
+    (mini-batches dividing the batch, a group per prompt for group estimators, a critic for ``gae``).
 
     Raises ``ConfigError`` with every problem: each at its dotted path, naming the file
     (``source``) and, where another source set the value, that file or override.
@@ -205,7 +209,11 @@ def load_config(
 
     source = ", ".join(files) or None
     try:
-        config, ignored = structure_with_warnings(layers.data, RunConfig, registry=registry)
+        token = RL_RULES.set(rl_rules)
+        try:
+            config, ignored = structure_with_warnings(layers.data, RunConfig, registry=registry)
+        finally:
+            RL_RULES.reset(token)
     except ConfigError as exc:
         errors = [(path, with_origin(path, message)) for path, message in exc.errors]
         raise ConfigError(errors, source=source) from None

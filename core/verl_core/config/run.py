@@ -10,6 +10,7 @@ overrides, error reporting and unstructuring need no other change; list the key 
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -20,6 +21,11 @@ from verl_core.config.engine import EngineConfig
 from verl_core.config.names import registered
 from verl_core.config.validators import each_rule, in_range, non_empty, non_negative, positive
 from verl_core.hookspecs import REWARD_FUNCTIONS
+
+#: Whether the RL trainer's cross-section rules apply to the config being loaded: ``load_config``
+#: switches them off for SFT (``rl_rules=False``), which reads no estimator, rollout group or PPO
+#: mini-batch.
+RL_RULES: contextvars.ContextVar[bool] = contextvars.ContextVar("rl_rules", default=True)
 
 #: Advantage estimators that compare the responses to one prompt: one response per prompt
 #: leaves nothing to compare (zero advantages, or a division by zero).
@@ -213,6 +219,8 @@ class RunConfig:
         return self.actor.policy_loss.use_kl_loss or self.algorithm.use_kl_in_reward
 
     def check(self) -> Iterator[tuple[str, str]]:
+        if not RL_RULES.get():
+            return
         # Independent rules: each runs on what structured, even when another section has errors.
         yield from each_rule(
             self._mini_batches_divide_the_batch, self._groups_to_compare, self._gae_has_a_critic

@@ -72,6 +72,9 @@ class RLTrainer(Trainer):
     ``train_data``, validating on ``val_data``, as ``config`` says; ``run_dir`` collects the metrics,
     validation samples and the final export."""
 
+    #: Whether its config is held to the RL trainer's cross-section rules (``load_config(rl_rules=...)``).
+    uses_rl_rules = True
+
     def __init__(
         self,
         config: RunConfig,

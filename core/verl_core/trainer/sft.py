@@ -51,6 +51,9 @@ class SFTTrainer(Trainer):
     """``fit()`` fine-tunes the ``actor`` on ``train_data``, measuring the loss on ``val_data``, as
     ``config`` says; ``run_dir`` collects the metrics and the final export."""
 
+    #: Whether its config is held to the RL trainer's cross-section rules (``load_config(rl_rules=...)``).
+    uses_rl_rules = False
+
     def __init__(
         self,
         config: RunConfig,

@@ -69,16 +69,16 @@ def worker_group(config: RunConfig, role: str, make_worker: Any, device: str = "
 def build_roles(config: RunConfig, registry: Any = None) -> tuple[Actor, Critic | None]:
     """The actor and (with ``critic.enable``) the critic, their engines initialised on every rank."""
     actor = Actor(
-        worker_group(config, "actor", _Maker(ActorWorker, config, registry), config.actor.engine.device)
+        worker_group(config, "actor", WorkerMaker(ActorWorker, config, registry), config.actor.engine.device)
     )
     critic = None
     if config.critic.enable:
-        maker = _Maker(CriticWorker, config, registry)
+        maker = WorkerMaker(CriticWorker, config, registry)
         critic = Critic(worker_group(config, "critic", maker, config.critic.engine.device))
     return actor, critic
 
 
-class _Maker:
+class WorkerMaker:
     """A picklable ``make_worker`` for a worker class (Ray ships it to each rank's process)."""
 
     def __init__(self, worker_class: type, config: RunConfig, registry: Any):

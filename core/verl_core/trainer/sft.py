@@ -89,13 +89,13 @@ class SFTTrainer(Trainer):
         """The trainer ``config`` describes: tokenizer and datasets loaded, a decaying learning rate
         given the run's length, the SFT worker group started (``trainer.workers``) and its engines
         initialised."""
-        from verl_core.trainer.build import _Maker, load_tokenizer, worker_group
+        from verl_core.trainer.build import WorkerMaker, load_tokenizer, worker_group
 
         tokenizer = load_tokenizer(config.actor.engine.model)
         train_data, val_data = load_sft_datasets(config.data, config.rollout, tokenizer)
         config = _decay_over_the_run(config, _run_length(config, _sampler(config, len(train_data))))
         actor = SFT(
-            worker_group(config, "sft", _Maker(SFTWorker, config, registry), config.actor.engine.device)
+            worker_group(config, "sft", WorkerMaker(SFTWorker, config, registry), config.actor.engine.device)
         )
         try:
             return cls(

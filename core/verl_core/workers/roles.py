@@ -28,7 +28,9 @@ from verl_core.workers.dispatch import (
 from verl_core.workers.group import WorkerGroup
 
 
-class _Role:
+class Role:
+    """The driver-side handle on one role's worker group: the ranks' topologies and their dp size."""
+
     def __init__(self, group: WorkerGroup):
         self.group = group
         self.topologies: list[Topology] = group.call("initialize")
@@ -59,7 +61,7 @@ class _Role:
         self.group.shutdown()
 
 
-class Actor(_Role):
+class Actor(Role):
     """The policy, its rollout and (with a KL term) the reference policy, over the actor's ranks."""
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> TensorDict:
@@ -103,7 +105,7 @@ class Actor(_Role):
         self.group.call("save_hf_model", path)
 
 
-class Critic(_Role):
+class Critic(Role):
     """The value model over the critic's ranks."""
 
     def compute_values(self, batch: TensorDict) -> torch.Tensor:

@@ -21,8 +21,8 @@ from verl_core.config.run import RunConfig
 from verl_core.data.batch import RESPONSE_MASK, get_global_counts
 from verl_core.engine import COMPUTE_ENTROPY, LOG_PROBS, TEMPERATURE, build_engine
 from verl_core.workers.dispatch import Topology, gather_outputs, shards_for_ranks, split_batch
-from verl_core.workers.roles import _Role
-from verl_core.workers.workers import _finite, _mean_metrics, _mini_batches, _topology
+from verl_core.workers.roles import Role
+from verl_core.workers.workers import engine_topology, mean_metrics, mini_batches, skipped_steps
 
 
 def nll_loss(
@@ -56,7 +56,7 @@ class SFTWorker:
 
     def initialize(self) -> Topology:
         self.policy.initialize()
-        return _topology(self.policy)
+        return engine_topology(self.policy)
 
     def update(self, batch: TensorDict, num_mini_batches: int) -> dict[str, float]:
         """``num_mini_batches`` optimiser steps over this rank's share: ``sft/loss``, ``sft/grad_norm``,
@@ -65,10 +65,10 @@ class SFTWorker:
         with self.policy.train_mode():
             steps = [
                 self.policy.train_batch(mini_batch, nll_loss)
-                for mini_batch in _mini_batches(batch, num_mini_batches)
+                for mini_batch in mini_batches(batch, num_mini_batches)
             ]
-        metrics = _mean_metrics(steps, "sft")
-        metrics["sft/skipped_steps"] = float(sum(not _finite(step.get("grad_norm")) for step in steps))
+        metrics = mean_metrics(steps, "sft")
+        metrics["sft/skipped_steps"] = skipped_steps(steps)
         return metrics
 
     def compute_loss(self, batch: TensorDict) -> dict[str, float]:
@@ -89,7 +89,7 @@ class SFTWorker:
         self.policy.save_hf_model(path)
 
 
-class SFT(_Role):
+class SFT(Role):
     """The policy being fine-tuned, over the SFT role's ranks."""
 
     def update(self, batch: TensorDict, num_mini_batches: int) -> dict[str, float]:

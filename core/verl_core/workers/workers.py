@@ -9,6 +9,7 @@ collects results.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,17 +34,17 @@ from verl_core.rollout.base import ROLLOUT_LOG_PROBS, SamplingParams
 from verl_core.workers.dispatch import Topology
 
 
-def _topology(engine: BaseEngine) -> Topology:
+def engine_topology(engine: BaseEngine) -> Topology:
     return Topology(engine.dp_rank, engine.dp_size, engine.is_output_rank)
 
 
-def _mini_batches(batch: TensorDict, count: int) -> list[TensorDict]:
+def mini_batches(batch: TensorDict, count: int) -> list[TensorDict]:
     """``count`` contiguous mini-batches of this rank's share (every rank makes the same number, so
     global mini-batch ``j`` is the union of every rank's ``j``-th)."""
     return [batch[index] for index in torch.arange(batch.batch_size[0]).tensor_split(count)]
 
 
-def _mean_metrics(steps: Sequence[dict[str, float]], prefix: str) -> dict[str, float]:
+def mean_metrics(steps: Sequence[dict[str, float]], prefix: str) -> dict[str, float]:
     names = sorted({name for step in steps for name in step})
     merged = {}
     for name in names:
@@ -51,6 +52,12 @@ def _mean_metrics(steps: Sequence[dict[str, float]], prefix: str) -> dict[str, f
         key = name if "/" in name else f"{prefix}/{name}"
         merged[key] = sum(values) / len(values) if values else float("nan")
     return merged
+
+
+def skipped_steps(steps: Sequence[dict[str, float]]) -> float:
+    """How many optimizer steps the engine skipped (a non-finite ``grad_norm`` means no update)."""
+    norms = [step.get("grad_norm") for step in steps]
+    return float(sum(norm is None or not math.isfinite(norm) for norm in norms))
 
 
 class ActorWorker:
@@ -80,7 +87,7 @@ class ActorWorker:
         if self.ref is not None:
             self.ref.initialize()
         self.rollout.initialize()
-        return _topology(self.policy)
+        return engine_topology(self.policy)
 
     # -- generation --------------------------------------------------------------------------------
 
@@ -148,10 +155,10 @@ class ActorWorker:
         steps = []
         with self.policy.train_mode():
             for _ in range(self.config.actor.ppo_epochs):
-                for mini_batch in _mini_batches(batch, num_mini_batches):
+                for mini_batch in mini_batches(batch, num_mini_batches):
                     steps.append(self.policy.train_batch(mini_batch, loss_fn))
-        metrics = _mean_metrics(steps, "actor")
-        metrics["actor/skipped_steps"] = float(sum(not _finite(step.get("grad_norm")) for step in steps))
+        metrics = mean_metrics(steps, "actor")
+        metrics["actor/skipped_steps"] = skipped_steps(steps)
         return metrics
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -181,7 +188,7 @@ class CriticWorker:
 
     def initialize(self) -> Topology:
         self.engine.initialize()
-        return _topology(self.engine)
+        return engine_topology(self.engine)
 
     def compute_values(self, batch: TensorDict) -> torch.Tensor | None:
         with self.engine.eval_mode():
@@ -206,16 +213,12 @@ class CriticWorker:
         steps = []
         with self.engine.train_mode():
             for _ in range(self.config.actor.ppo_epochs):
-                for mini_batch in _mini_batches(batch, num_mini_batches):
+                for mini_batch in mini_batches(batch, num_mini_batches):
                     steps.append(self.engine.train_batch(mini_batch, loss_fn))
-        return _mean_metrics(steps, "critic")
+        return mean_metrics(steps, "critic")
 
     def save_checkpoint(self, path: str, global_step: int) -> None:
         self.engine.save_checkpoint(path, global_step)
 
     def load_checkpoint(self, path: str) -> int:
         return self.engine.load_checkpoint(path)
-
-
-def _finite(value: float | None) -> bool:
-    return value is not None and value == value and value not in (float("inf"), float("-inf"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verl_core.testing.spawn import Rank, SpawnError, spawn
+from verl_core.testing.spawn import Rank, SpawnError, _first_failures, spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -49,8 +49,20 @@ def test_a_rank_that_raises_is_reported_with_its_traceback_and_the_others_killed
     message = str(caught.value)
     assert "rank(s) [1] failed (rank 1: exit code 1)" in message
     assert "ValueError: rank one cannot go on" in message and "raises_on_rank_one" in message
-    assert "rank(s) [0] were killed after another rank failed" in message
+    # Rank 0 is killed waiting in the barrier, unless its barrier saw rank 1 leave and raised first.
+    assert (
+        "rank(s) [0] were killed after another rank failed" in message
+        or "rank(s) [0] failed after another rank failed (rank 0: exit code 1)" in message
+    )
     assert caught.value.failed == [1] and not caught.value.timed_out
+
+
+def test_ranks_that_fail_later_are_told_apart_from_the_first_failure(tmp_path) -> None:
+    # What the ranks record as they fail (monotonic nanoseconds); rank 3 died without recording.
+    for rank, failed_at in {0: 2_000, 1: 1_000, 2: 1_000}.items():
+        (tmp_path / f"rank{rank}.failed_at").write_text(str(failed_at))
+    assert _first_failures(tmp_path, [0, 1, 2, 3]) == ([1, 2, 3], [0])
+    assert _first_failures(tmp_path, [3]) == ([3], [])
 
 
 def test_a_rank_that_exits_without_a_traceback_is_named_with_its_exit_code(tmp_path) -> None:

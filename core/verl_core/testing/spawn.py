@@ -10,7 +10,8 @@ rank has finished. It is built so that a distributed test can fail but never han
   ``workdir/rank<N>.log``, and a failure's ``SpawnError`` carries the tail of every failed or
   unfinished rank's log, so the reason is in the test report, not only an exit code;
 - a rank that raises makes the others be killed at once (they may wait in a collective it never
-  joins);
+  joins); a rank that fails because another one did (its collective saw the peer leave) is told
+  apart from the one that failed first, by when each failed;
 - ranks leave with ``os._exit`` after destroying the process group: torch 2.13 can deadlock when
   Python frees a DDP reducer that holds the last reference to a gloo group at interpreter exit
   (the group's destructor joins a worker thread that waits for the GIL).
@@ -45,12 +46,21 @@ LOG_TAIL_CHARS = 4000
 
 
 class SpawnError(RuntimeError):
-    """A rank failed or the run timed out. ``failed`` and ``unfinished`` list the ranks; the message
-    holds the tail of each one's log (its traceback, or its stacks at the timeout)."""
+    """A rank failed or the run timed out. ``failed`` lists the ranks that failed first,
+    ``failed_after`` those that failed later (typically in a collective the first ones left),
+    ``unfinished`` those still running at the timeout; the message holds the tail of each one's log
+    (its traceback, or its stacks at the timeout)."""
 
-    def __init__(self, message: str, failed: Sequence[int] = (), unfinished: Sequence[int] = ()):
+    def __init__(
+        self,
+        message: str,
+        failed: Sequence[int] = (),
+        unfinished: Sequence[int] = (),
+        failed_after: Sequence[int] = (),
+    ):
         super().__init__(message)
         self.failed = list(failed)
+        self.failed_after = list(failed_after)
         self.unfinished = list(unfinished)
 
     @property
@@ -189,10 +199,16 @@ def spawn(
     failed = [rank for rank in failed if rank not in unfinished]
     if not failed and not unfinished:
         return
+    failed, failed_after = _first_failures(workdir, failed)
+
+    def codes(ranks: list[int]) -> str:
+        return ", ".join(f"rank {rank}: exit code {processes[rank].exitcode}" for rank in ranks)
+
     problems = []
     if failed:
-        codes = ", ".join(f"rank {rank}: exit code {processes[rank].exitcode}" for rank in failed)
-        problems.append(f"rank(s) {failed} failed ({codes})")
+        problems.append(f"rank(s) {failed} failed ({codes(failed)})")
+    if failed_after:
+        problems.append(f"rank(s) {failed_after} failed after another rank failed ({codes(failed_after)})")
     if unfinished:
         reason = (
             "were killed after another rank failed" if failed else f"did not finish within {timeout_s:.0f} s"
@@ -200,9 +216,32 @@ def spawn(
         problems.append(f"rank(s) {unfinished} {reason}")
     tails = "\n".join(
         f"--- rank {rank} ({log_path(workdir, rank)}):\n{_tail(log_path(workdir, rank))}"
-        for rank in failed + unfinished
+        for rank in failed + failed_after + unfinished
     )
-    raise SpawnError(f"{'; '.join(problems)}\n{tails}", failed, unfinished if not failed else [])
+    raise SpawnError(
+        f"{'; '.join(problems)}\n{tails}", failed, unfinished if not failed else [], failed_after
+    )
+
+
+def _failure_time_path(workdir: Path, rank: int) -> Path:
+    return workdir / f"rank{rank}.failed_at"
+
+
+def _first_failures(workdir: Path, failed: list[int]) -> tuple[list[int], list[int]]:
+    """``failed`` split into the ranks that failed first and those that failed after them, by the
+    monotonic clock each rank read as it failed. A rank that died without reading it (killed by a
+    signal, ``os._exit``) counts as failing first: nothing says otherwise."""
+    times = {}
+    for rank in failed:
+        try:
+            times[rank] = int(_failure_time_path(workdir, rank).read_text())
+        except (OSError, ValueError):
+            pass
+    if not times:
+        return failed, []
+    first = min(times.values())
+    after = [rank for rank in failed if times.get(rank, first) > first]
+    return [rank for rank in failed if rank not in after], after
 
 
 def _tail(path: Path) -> str:
@@ -252,7 +291,11 @@ def _rank_main(
         dist.destroy_process_group()
         code = 0
     except BaseException:
+        # Read before anything else: the moment this rank failed, to tell it apart from the ranks
+        # that fail because it left (CLOCK_MONOTONIC is one clock for every process).
+        failed_at = time.monotonic_ns()
         traceback.print_exc()
+        _failure_time_path(Path(workdir), rank).write_text(str(failed_at))
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

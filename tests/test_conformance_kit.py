@@ -154,8 +154,8 @@ class UnsyncedExportEngine(DDPEngine):
 
 
 class CrossingPackingEngine(DDPEngine):
-    """Packs micro-batches without restarting the positions per sequence: attention then runs across
-    the packed sequences (each one sees the ones before it)."""
+    """Packs micro-batches as one sequence: attention then runs across the packed sequences (each
+    one sees the ones before it), while positions still restart per sequence."""
 
     def forward_backward_batch(self, batch, loss_fn, forward_only):
         from verl_core.engine import hf
@@ -164,7 +164,10 @@ class CrossingPackingEngine(DDPEngine):
 
         def crossing(attention_mask, response_length):
             packed = original(attention_mask, response_length)
-            return attrs.evolve(packed, position_ids=torch.arange(packed.position_ids.shape[1])[None])
+            tokens = packed.position_ids.shape[1]
+            return attrs.evolve(
+                packed, cu_seq_lens=torch.tensor([0, tokens], dtype=torch.int32), longest=tokens
+            )
 
         hf.pack_sequences = crossing
         try:

@@ -9,6 +9,7 @@ import torch
 from verl_core.config.engine import ModelConfig
 from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE
 from verl_core.engine.hf import forward_micro_batch, load_hf_model, pack_sequences
+from verl_core.engine.varlen import VARLEN_SDPA, varlen_sdpa_attention
 from verl_core.testing import collate, make_samples, response_token_mask, save_tiny_models
 
 torch.set_num_threads(1)
@@ -26,13 +27,19 @@ def batch_of(seed: int):
     return batch
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("role", ["lm", "value"])
-def test_packed_outputs_and_gradients_equal_the_padded_ones(dirs, role) -> None:
+def test_packed_outputs_and_gradients_equal_the_padded_ones(dirs, role, attention) -> None:
+    # sdpa models run packed attention padded (verl_core.engine.varlen); eager ones through the
+    # block-diagonal mask transformers builds from the restarting positions.
     batch = batch_of(3)
     mask = response_token_mask(batch)
     results = {}
     for packing in (False, True):
-        model = load_hf_model(ModelConfig(path=dirs.for_role(role)), role)
+        config = ModelConfig(path=dirs.for_role(role), attn_implementation=attention)
+        model = load_hf_model(config, role, packing=packing)
+        expected = VARLEN_SDPA if packing and attention == "sdpa" else attention
+        assert model.config._attn_implementation == expected
         outputs = forward_micro_batch(model, batch, role, packing=packing)
         loss = sum((value * mask).sum() for value in outputs.values())
         loss.backward()
@@ -47,7 +54,7 @@ def test_packed_outputs_and_gradients_equal_the_padded_ones(dirs, role) -> None:
 
 
 def test_packed_sequences_do_not_attend_to_each_other(dirs) -> None:
-    model = load_hf_model(ModelConfig(path=dirs.lm), "lm").eval()
+    model = load_hf_model(ModelConfig(path=dirs.lm), "lm", packing=True).eval()
     batch = batch_of(4)
     changed = batch.clone()
     # Another first sequence: with attention crossing sequences, the later ones' outputs would move.
@@ -66,5 +73,29 @@ def test_pack_sequences_finds_every_response_token() -> None:
     packed = pack_sequences(attention_mask, response_length=3)
     assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1]]
     # Response token t of row i is predicted at its start + prompt length + t - 1.
-    assert packed.predicting.tolist()[0] == [1, 2, 3] and packed.predicting.tolist()[1][0] == 5
-    assert packed.response_present.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert packed.predicting.tolist() == [1, 2, 3, 5]
+    assert packed.response_present.tolist() == [[True, True, True], [True, False, False]]
+    assert packed.cu_seq_lens.tolist() == [0, 5, 7] and packed.longest == 5
+
+
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_varlen_attention_equals_each_sequence_attending_alone(sliding_window) -> None:
+    # 3 sequences of 5, 1 and 7 tokens packed in one row; 4 query heads over 2 key/value heads (GQA).
+    torch.manual_seed(0)
+    lengths = [5, 1, 7]
+    tokens = sum(lengths)
+    query, key, value = (torch.randn(1, heads, tokens, 8) for heads in (4, 2, 2))
+    boundaries = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    output, _ = varlen_sdpa_attention(
+        None, query, key, value, None, scaling=0.3, sliding_window=sliding_window,
+        cu_seq_lens_q=boundaries, max_length_q=max(lengths),
+    )  # fmt: skip
+    assert output.shape == (1, tokens, 4, 8)
+    for start, end in zip(boundaries[:-1].tolist(), boundaries[1:].tolist(), strict=True):
+        q, k, v = (t[:, :, start:end] for t in (query, key, value))
+        k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))
+        offset = torch.arange(end - start)[:, None] - torch.arange(end - start)[None, :]
+        allowed = (offset >= 0) & (offset < (sliding_window or tokens))
+        weights = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf")).softmax(-1)
+        expected = (weights @ v).transpose(1, 2)
+        torch.testing.assert_close(output[:, start:end], expected, atol=1e-6, rtol=1e-5)

@@ -30,6 +30,7 @@ from verl_core.engine.base import COMPUTE_ENTROPY, TEMPERATURE
 from verl_core.engine.checkpoint import atomic_directory
 from verl_core.engine.logprob import log_probs_and_entropy
 from verl_core.engine.seed import seeded
+from verl_core.engine.varlen import attn_implementation_for, packed_model_inputs
 from verl_core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -92,9 +93,12 @@ def _looks_like_hub_id(path: str) -> bool:
 
 
 def load_hf_model(
-    config: ModelConfig, role: str = "lm", seed: int = 0, where: str = "model"
+    config: ModelConfig, role: str = "lm", seed: int = 0, where: str = "model", packing: bool = False
 ) -> PreTrainedModel:
     """Load ``config.path`` (a local folder) for ``role`` on CPU, in ``config.dtype``, in train mode.
+
+    With ``packing`` (the engine runs ``forward_micro_batch(..., packing=True)``) an ``sdpa`` model
+    gets ``verl_core.engine.varlen``'s attention, which keeps packed attention as cheap as padded.
 
     Weights the checkpoint lacks (the value head of a critic built from a causal LM) are initialised
     from ``seed``, identically on every rank. ``where`` is the config path of ``config`` for errors
@@ -119,7 +123,7 @@ def load_hf_model(
             config=hf_config,
             local_files_only=True,
             dtype=DTYPES[config.dtype],
-            attn_implementation=config.attn_implementation,
+            attn_implementation=attn_implementation_for(config.attn_implementation, packing),
             trust_remote_code=config.trust_remote_code,
         )
     if config.gradient_checkpointing:
@@ -145,36 +149,50 @@ def forward_micro_batch(
     """
     response_length = micro_batch[RESPONSES].shape[-1]
     if packing:
-        packed = pack_sequences(micro_batch[ATTENTION_MASK], response_length)
-        output = model(
-            input_ids=micro_batch[INPUT_IDS][packed.mask][None],
-            position_ids=packed.position_ids,
-            attention_mask=None,  # with restarting positions: attention stays within each sequence
-            use_cache=False,
-        )
-        response_logits = output.logits[0][packed.predicting]
-    else:
-        # Logits of the last R + 1 columns suffice; models that ignore ``logits_to_keep`` return all L.
-        output = model(
-            input_ids=micro_batch[INPUT_IDS],
-            attention_mask=micro_batch[ATTENTION_MASK],
-            position_ids=micro_batch[POSITION_IDS],
-            use_cache=False,
-            **({"logits_to_keep": response_length + 1} if role == "lm" else {}),
-        )
-        response_logits = output.logits[:, -response_length - 1 : -1]
+        return _forward_packed(model, micro_batch, role, response_length)
+    # Logits of the last R + 1 columns suffice; models that ignore ``logits_to_keep`` return all L.
+    output = model(
+        input_ids=micro_batch[INPUT_IDS],
+        attention_mask=micro_batch[ATTENTION_MASK],
+        position_ids=micro_batch[POSITION_IDS],
+        use_cache=False,
+        **({"logits_to_keep": response_length + 1} if role == "lm" else {}),
+    )
+    return _outputs_from_logits(output.logits[:, -response_length - 1 : -1], micro_batch, role)
+
+
+def _forward_packed(
+    model: torch.nn.Module, micro_batch: TensorDict, role: str, response_length: int
+) -> dict[str, torch.Tensor]:
+    """``forward_micro_batch`` padding-free: the outputs of the real response tokens are computed
+    (the LM head runs on those positions only) and scattered into ``[b, R]``, 0 on padding."""
+    packed = pack_sequences(micro_batch[ATTENTION_MASK], response_length)
+    output = model(
+        input_ids=micro_batch[INPUT_IDS][packed.mask][None],
+        **packed_model_inputs(model, packed),
+        **({"logits_to_keep": packed.predicting} if role == "lm" else {}),
+    )
+    logits = output.logits[0] if role == "lm" else output.logits[0][packed.predicting]
+    present = packed.response_present
+    flat = _outputs_from_logits(logits, micro_batch, role, micro_batch[RESPONSES][present])
+    return {
+        name: value.new_zeros(present.shape).masked_scatter(present, value) for name, value in flat.items()
+    }
+
+
+def _outputs_from_logits(
+    logits: torch.Tensor, micro_batch: TensorDict, role: str, responses: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """The batch contract's outputs from the logits predicting ``responses`` (the micro-batch's own
+    ``[b, R]`` by default; any shape with ``logits`` one dimension longer)."""
     if role == "value":
-        outputs = {VALUES: response_logits.squeeze(-1).float()}
-    else:
-        temperature = float(_non_tensor(micro_batch, TEMPERATURE, 1.0))
-        compute_entropy = bool(_non_tensor(micro_batch, COMPUTE_ENTROPY, False))
-        log_probs, entropy = log_probs_and_entropy(
-            response_logits, micro_batch[RESPONSES], temperature, compute_entropy
-        )
-        outputs = {LOG_PROBS: log_probs} if entropy is None else {LOG_PROBS: log_probs, ENTROPY: entropy}
-    if packing:
-        outputs = {name: value * packed.response_present for name, value in outputs.items()}
-    return outputs
+        return {VALUES: logits.squeeze(-1).float()}
+    temperature = float(_non_tensor(micro_batch, TEMPERATURE, 1.0))
+    compute_entropy = bool(_non_tensor(micro_batch, COMPUTE_ENTROPY, False))
+    log_probs, entropy = log_probs_and_entropy(
+        logits, micro_batch[RESPONSES] if responses is None else responses, temperature, compute_entropy
+    )
+    return {LOG_PROBS: log_probs} if entropy is None else {LOG_PROBS: log_probs, ENTROPY: entropy}
 
 
 @attrs.frozen
@@ -182,13 +200,17 @@ class PackedSequences:
     """A micro-batch's sequences concatenated without padding, and how to find each response in it.
 
     ``mask`` selects the real tokens of the padded ``[b, L]`` batch (row by row: each row's prompt
-    then its response); ``position_ids`` ``[1, T]`` restart at 0 for every sequence; ``predicting``
-    ``[b, R]`` is the packed position whose logits predict response token ``t`` of row ``i``
-    (clamped on padding); ``response_present`` ``[b, R]`` is 1 where that token exists.
+    then its response); ``position_ids`` ``[1, T]`` restart at 0 for every sequence; sequence ``i``
+    is packed tokens ``cu_seq_lens[i]`` to ``cu_seq_lens[i + 1]`` (int32, as variable-length
+    attention kernels take them), ``longest`` tokens at most; ``response_present`` ``[b, R]`` is
+    True where response token ``t`` of row ``i`` exists, and ``predicting`` holds, for each of those
+    in row-major order, the packed position whose logits predict it.
     """
 
     mask: torch.Tensor
     position_ids: torch.Tensor
+    cu_seq_lens: torch.Tensor
+    longest: int
     predicting: torch.Tensor
     response_present: torch.Tensor
 
@@ -198,15 +220,20 @@ def pack_sequences(attention_mask: torch.Tensor, response_length: int) -> Packed
     mask = attention_mask.bool()
     lengths = mask.sum(dim=-1)
     responses = mask[:, -response_length:].sum(dim=-1)
-    prompts = lengths - responses
-    starts = torch.cumsum(lengths, dim=0) - lengths
-    position_ids = torch.cat([torch.arange(int(n), device=mask.device) for n in lengths])[None]
+    ends = torch.cumsum(lengths, dim=0)
+    starts = ends - lengths
+    total = int(ends[-1]) if len(ends) else 0
+    position_ids = (torch.arange(total, device=mask.device) - torch.repeat_interleave(starts, lengths))[None]
     steps = torch.arange(response_length, device=mask.device)[None, :]
     present = steps < responses[:, None]
-    predicting = starts[:, None] + prompts[:, None] + steps - 1
-    total = int(lengths.sum())
+    predicting = (starts + lengths - responses)[:, None] + steps - 1
     return PackedSequences(
-        mask, position_ids, predicting.clamp(0, max(total - 1, 0)), present.to(torch.float32)
+        mask=mask,
+        position_ids=position_ids,
+        cu_seq_lens=torch.cat([ends.new_zeros(1), ends]).to(torch.int32),
+        longest=int(lengths.max()) if len(lengths) else 0,
+        predicting=predicting[present],
+        response_present=present,
     )
 
 

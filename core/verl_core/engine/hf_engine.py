@@ -83,7 +83,11 @@ class HFEngine(TorchOptimizerSteps, BaseEngine):
             raise RuntimeError(f"{type(self).__name__}.initialize() was already called")
         validate_optim_config(self.config.optim, f"{self.config_path}.optim")  # before the slow load
         module = load_hf_model(
-            self.config.model, self.role, seed=self.config.seed, where=f"{self.config_path}.model"
+            self.config.model,
+            self.role,
+            seed=self.config.seed,
+            where=f"{self.config_path}.model",
+            packing=self.config.micro_batch.packing,
         )
         self.model = self.wrap_model(module)
         self.module = module

@@ -106,6 +106,24 @@ def test_log_probs_are_what_the_engine_computes_for_the_sampled_tokens(
         torch.testing.assert_close(log_probs.double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_a_prompt_sampled_n_times_is_prefilled_once_with_the_same_samples(rollout) -> None:
+    # GRPO's layout, each prompt n times in a row, and a repeat further on.
+    prompts = [prompt for prompt in PROMPTS for _ in range(3)] + [PROMPTS[0]]
+    prefill_rows = []
+    hook = rollout.model.register_forward_pre_hook(
+        lambda module, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape),
+        with_kwargs=True,
+    )
+    try:
+        output = rollout.generate(prompts, params(temperature=0.0), seed=0)
+    finally:
+        hook.remove()
+    assert prefill_rows[0][0] == len(PROMPTS)  # one prefill row per distinct prompt
+    alone = rollout.generate(PROMPTS, params(temperature=0.0), seed=0)
+    for row, prompt in enumerate(prompts):
+        assert unpadded(output, row)[:2] == unpadded(alone, PROMPTS.index(prompt))[:2], row
+
+
 def test_batch_layout_is_the_batch_contract(rollout) -> None:
     output = rollout.generate(PROMPTS, params(), seed=1)
     mask = output[ATTENTION_MASK]

@@ -1,6 +1,7 @@
 """``HFRollout``: core's built-in rollout, a KV-cache decoding loop over a Hugging Face causal LM.
 
-The prompts of a batch are left-padded and prefilled in one forward pass; then each step feeds the
+The prompts of a batch are left-padded and prefilled in one forward pass, each distinct prompt once
+(the ``n`` samples of a prompt share its prefill's cache); then each step feeds the
 newest token of every row still decoding with the cache, the attention mask grown by one column and
 each row's next position. A row finishes at an EOS token (kept as the response's last token) or at
 ``max_new_tokens``; a finished row leaves the batch and the cache at once, so later steps cost only
@@ -112,9 +113,13 @@ class HFRollout(BaseRollout):
         prompt_ids, prompt_mask = left_pad(list(prompts), sampling.pad_token_id)
         batch = len(prompts)
         device = self.device
-        input_ids, attention_mask = prompt_ids.to(device), prompt_mask.to(device)
+        attention_mask = prompt_mask.to(device)
         positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
         eos = torch.tensor(sampling.eos_token_ids, device=device)
+        # A prompt sampled n times is prefilled once: its rows share the prefill's logits and cache.
+        distinct: dict[tuple[int, ...], int] = {}
+        source = torch.tensor([distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts])
+        distinct_ids, distinct_mask = left_pad([list(prompt) for prompt in distinct], sampling.pad_token_id)
 
         responses = torch.full((batch, sampling.max_new_tokens), sampling.pad_token_id, dtype=torch.int64)
         log_probs = torch.zeros(batch, sampling.max_new_tokens)
@@ -124,14 +129,19 @@ class HFRollout(BaseRollout):
         rows = torch.arange(batch)
         next_position = positions[:, -1] + 1
         cache = DynamicCache()
+        distinct_mask = distinct_mask.to(device)
         logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
+            input_ids=distinct_ids.to(device),
+            attention_mask=distinct_mask,
+            position_ids=(distinct_mask.cumsum(dim=-1) - 1).clamp(min=0),
             use_cache=True,
             logits_to_keep=1,
             **{self._cache_argument: cache},
         ).logits[:, -1]
+        if len(distinct) < batch:
+            source = source.to(device)
+            logits = logits[source]
+            cache.batch_select_indices(source)
         steps = 0
         for step in range(sampling.max_new_tokens):
             tokens, token_log_probs = sample_next(logits, sampling, generator)

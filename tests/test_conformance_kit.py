@@ -162,11 +162,15 @@ class CrossingPackingEngine(DDPEngine):
 
         original = hf.pack_sequences
 
-        def crossing(attention_mask, response_length):
-            packed = original(attention_mask, response_length)
+        def crossing(attention_mask, response_length, groups=None):
+            packed = original(attention_mask, response_length)  # every sample packs its own prompt
             tokens = packed.position_ids.shape[1]
             return attrs.evolve(
-                packed, cu_seq_lens=torch.tensor([0, tokens], dtype=torch.int32), longest=tokens
+                packed,
+                rows=torch.arange(tokens)[None],
+                slots=torch.arange(tokens),
+                longest=tokens,
+                cu_seq_lens=torch.tensor([0, tokens], dtype=torch.int32),
             )
 
         hf.pack_sequences = crossing

@@ -8,7 +8,8 @@ import torch
 
 from verl_core.config.engine import ModelConfig
 from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE
-from verl_core.engine.hf import forward_micro_batch, load_hf_model, pack_sequences
+from verl_core.engine.hf import forward_micro_batch, load_hf_model
+from verl_core.engine.packing import pack_sequences, prompt_groups
 from verl_core.engine.varlen import VARLEN_SDPA, varlen_sdpa_attention
 from verl_core.testing import collate, make_samples, response_token_mask, save_tiny_models
 
@@ -20,19 +21,21 @@ def dirs(tmp_path_factory):
     return save_tiny_models(tmp_path_factory.mktemp("tiny"))
 
 
-def batch_of(seed: int):
-    batch = collate(make_samples(seed))
+def batch_of(seed: int, share_prompts: bool = False):
+    batch = collate(make_samples(seed, share_prompts=share_prompts))
     batch.set_non_tensor(TEMPERATURE, 0.7)
     batch.set_non_tensor(COMPUTE_ENTROPY, True)
     return batch
 
 
+@pytest.mark.parametrize("share_prompts", [False, True])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("role", ["lm", "value"])
-def test_packed_outputs_and_gradients_equal_the_padded_ones(dirs, role, attention) -> None:
-    # sdpa models run packed attention padded (verl_core.engine.varlen); eager ones through the
-    # block-diagonal mask transformers builds from the restarting positions.
-    batch = batch_of(3)
+def test_packed_outputs_and_gradients_equal_the_padded_ones(dirs, role, attention, share_prompts) -> None:
+    # sdpa models run packed attention padded (verl_core.engine.varlen) and pack a prompt shared by
+    # several samples once; eager ones pack every prompt and attend through the block-diagonal mask
+    # transformers builds from the restarting positions.
+    batch = batch_of(3, share_prompts)
     mask = response_token_mask(batch)
     results = {}
     for packing in (False, True):
@@ -49,8 +52,11 @@ def test_packed_outputs_and_gradients_equal_the_padded_ones(dirs, role, attentio
     for name in padded:
         torch.testing.assert_close(packed[name] * mask, padded[name] * mask, atol=1e-5, rtol=1e-5, msg=name)
         assert (packed[name][~mask] == 0).all()  # padding gives 0, not garbage
+    # eager's packed softmax runs over the whole masked row, summing in another order: the embedding
+    # gradient (entries up to ~7) then differs by up to 4e-6.
+    atol = 1e-6 if attention == "sdpa" else 1e-5
     for name, grad in padded_grads.items():
-        torch.testing.assert_close(packed_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+        torch.testing.assert_close(packed_grads[name], grad, atol=atol, rtol=1e-5, msg=name)
 
 
 def test_packed_sequences_do_not_attend_to_each_other(dirs) -> None:
@@ -76,6 +82,28 @@ def test_pack_sequences_finds_every_response_token() -> None:
     assert packed.predicting.tolist() == [1, 2, 3, 5]
     assert packed.response_present.tolist() == [[True, True, True], [True, False, False]]
     assert packed.cu_seq_lens.tolist() == [0, 5, 7] and packed.longest == 5
+    assert packed.rows.tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 7, 7]]  # 7 = T: after the sample's end
+    assert packed.slots.tolist() == [0, 1, 2, 3, 4, 5, 6]
+
+
+def test_samples_of_one_prompt_read_its_single_packed_copy() -> None:
+    # Rows 0 and 2 share a 2-token prompt; row 1 has its own 1-token prompt.
+    attention_mask = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    packed = pack_sequences(attention_mask, response_length=3, groups=torch.tensor([0, 1, 0]))
+    # Packed: row 0's prompt + response (4), row 1's (2), row 2's response only (3).
+    assert packed.mask.tolist()[2] == [False, False, True, True, True]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4]]
+    assert packed.rows.tolist() == [[0, 1, 2, 3, 9], [4, 5, 9, 9, 9], [0, 1, 6, 7, 8]]
+    assert packed.slots.tolist() == [0, 1, 2, 3, 5, 6, 12, 13, 14]
+    assert packed.predicting.tolist() == [1, 2, 4, 1, 6, 7]  # row 2's first token: the shared prompt's end
+    assert packed.cu_seq_lens is None  # not contiguous sequences: variable-length kernels cannot run it
+
+
+def test_prompt_groups_tell_identical_prompts_apart_from_others() -> None:
+    input_ids = torch.tensor([[0, 7, 8, 1], [0, 7, 8, 2], [7, 7, 8, 3], [0, 7, 9, 4]])
+    attention_mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])
+    groups = prompt_groups(input_ids, attention_mask, response_length=1).tolist()
+    assert groups[0] == groups[1] and len({groups[0], groups[2], groups[3]}) == 3
 
 
 @pytest.mark.parametrize("sliding_window", [None, 3])

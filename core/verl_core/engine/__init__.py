@@ -26,7 +26,7 @@ _EXPORTS = {
     "load_hf_model": "verl_core.engine.hf",
     "check_model_dir": "verl_core.engine.hf",
     "forward_micro_batch": "verl_core.engine.hf",
-    "pack_sequences": "verl_core.engine.hf",
+    "pack_sequences": "verl_core.engine.packing",
     "export_hf_model": "verl_core.engine.hf",
     "save_hf_model_from_params": "verl_core.engine.hf",
     "LOG_PROBS": "verl_core.engine.hf",

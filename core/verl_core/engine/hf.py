@@ -12,7 +12,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import attrs
 import torch
 from tensordict import TensorDict
 from transformers import (
@@ -29,8 +28,9 @@ from verl_core.distributed import barrier
 from verl_core.engine.base import COMPUTE_ENTROPY, TEMPERATURE
 from verl_core.engine.checkpoint import atomic_directory
 from verl_core.engine.logprob import log_probs_and_entropy
+from verl_core.engine.packing import pack_sequences, prompt_groups
 from verl_core.engine.seed import seeded
-from verl_core.engine.varlen import attn_implementation_for, packed_model_inputs
+from verl_core.engine.varlen import attn_implementation_for, packed_model_inputs, shares_prompts
 from verl_core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -165,8 +165,15 @@ def _forward_packed(
     model: torch.nn.Module, micro_batch: TensorDict, role: str, response_length: int
 ) -> dict[str, torch.Tensor]:
     """``forward_micro_batch`` padding-free: the outputs of the real response tokens are computed
-    (the LM head runs on those positions only) and scattered into ``[b, R]``, 0 on padding."""
-    packed = pack_sequences(micro_batch[ATTENTION_MASK], response_length)
+    (the LM head runs on those positions only) and scattered into ``[b, R]``, 0 on padding. Rows
+    with identical prompts share one copy of it where the attention implementation allows."""
+    attention_mask = micro_batch[ATTENTION_MASK]
+    groups = (
+        prompt_groups(micro_batch[INPUT_IDS], attention_mask, response_length)
+        if shares_prompts(model)
+        else None
+    )
+    packed = pack_sequences(attention_mask, response_length, groups)
     output = model(
         input_ids=micro_batch[INPUT_IDS][packed.mask][None],
         **packed_model_inputs(model, packed),
@@ -193,48 +200,6 @@ def _outputs_from_logits(
         logits, micro_batch[RESPONSES] if responses is None else responses, temperature, compute_entropy
     )
     return {LOG_PROBS: log_probs} if entropy is None else {LOG_PROBS: log_probs, ENTROPY: entropy}
-
-
-@attrs.frozen
-class PackedSequences:
-    """A micro-batch's sequences concatenated without padding, and how to find each response in it.
-
-    ``mask`` selects the real tokens of the padded ``[b, L]`` batch (row by row: each row's prompt
-    then its response); ``position_ids`` ``[1, T]`` restart at 0 for every sequence; sequence ``i``
-    is packed tokens ``cu_seq_lens[i]`` to ``cu_seq_lens[i + 1]`` (int32, as variable-length
-    attention kernels take them), ``longest`` tokens at most; ``response_present`` ``[b, R]`` is
-    True where response token ``t`` of row ``i`` exists, and ``predicting`` holds, for each of those
-    in row-major order, the packed position whose logits predict it.
-    """
-
-    mask: torch.Tensor
-    position_ids: torch.Tensor
-    cu_seq_lens: torch.Tensor
-    longest: int
-    predicting: torch.Tensor
-    response_present: torch.Tensor
-
-
-def pack_sequences(attention_mask: torch.Tensor, response_length: int) -> PackedSequences:
-    """Where each sequence of a left-padded-prompt, right-padded-response batch lands once packed."""
-    mask = attention_mask.bool()
-    lengths = mask.sum(dim=-1)
-    responses = mask[:, -response_length:].sum(dim=-1)
-    ends = torch.cumsum(lengths, dim=0)
-    starts = ends - lengths
-    total = int(ends[-1]) if len(ends) else 0
-    position_ids = (torch.arange(total, device=mask.device) - torch.repeat_interleave(starts, lengths))[None]
-    steps = torch.arange(response_length, device=mask.device)[None, :]
-    present = steps < responses[:, None]
-    predicting = (starts + lengths - responses)[:, None] + steps - 1
-    return PackedSequences(
-        mask=mask,
-        position_ids=position_ids,
-        cu_seq_lens=torch.cat([ends.new_zeros(1), ends]).to(torch.int32),
-        longest=int(lengths.max()) if len(lengths) else 0,
-        predicting=predicting[present],
-        response_present=present,
-    )
 
 
 def export_hf_model(

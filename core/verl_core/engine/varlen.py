@@ -1,19 +1,21 @@
 """Attention for padding-free (packed) micro-batches that costs what padded attention costs.
 
-A packed micro-batch (``pack_sequences``) is one row of ``T`` real tokens whose positions restart at
-every sequence. Flash-attention's variable-length kernels run it as it is (transformers passes the
-sequence boundaries, ``cu_seq_lens_q``, to ``flash_attention_*``). ``sdpa`` has no such kernel:
-transformers builds a ``[T, T]`` block-diagonal mask and attends over the whole row, quadratic in
-``T``, which on CPU cost more than the padding it saved. ``VARLEN_SDPA`` runs only the attention
-padded: queries, keys and values are scattered into ``[sequences, heads, longest, head_dim]``, SDPA
-runs causally there, and the outputs are gathered back, while every other layer (projections, MLP,
-norms, the LM head) runs on the real tokens alone. Right padding needs no mask: under the causal
-mask a real query sees only earlier positions of its own sequence.
+A packed micro-batch (``verl_core.engine.packing``) is one row of ``T`` real tokens whose positions
+restart at every sequence. Flash-attention's variable-length kernels run it as it is (transformers
+passes the sequence boundaries, ``cu_seq_lens_q``, to ``flash_attention_*``). ``sdpa`` has no such
+kernel: transformers builds a ``[T, T]`` block-diagonal mask and attends over the whole row,
+quadratic in ``T``, which on CPU cost more than the padding it saved. ``VARLEN_SDPA`` runs only the
+attention padded: queries, keys and values are gathered into ``[samples, heads, longest, head_dim]``
+by the layout's ``rows``, SDPA runs causally there, and each packed token's output is taken from its
+``slots`` entry, while every other layer (projections, MLP, norms, the LM head) runs on the real
+tokens alone. Right padding needs no mask: under the causal mask a real query sees only earlier
+positions of its own sample. Because keys are gathered, several samples can read one packed copy of
+a shared prompt (its gradient is the sum over them), which a ``cu_seq_lens`` layout cannot express.
 
-Calls without sequence boundaries (ordinary padded batches, decoding with a cache) go to
-transformers' ``sdpa`` unchanged, so a model loaded with ``VARLEN_SDPA`` computes what ``sdpa``
-computes everywhere else. ``load_hf_model`` loads ``sdpa`` models this way when
-``micro_batch.packing`` is on; ``packed_model_inputs`` gives what a packed forward passes.
+Calls without a packed layout (ordinary padded batches, decoding with a cache) go to transformers'
+``sdpa`` unchanged, so a model loaded with ``VARLEN_SDPA`` computes what ``sdpa`` computes
+everywhere else. ``load_hf_model`` loads ``sdpa`` models this way when ``micro_batch.packing`` is on;
+``packed_model_inputs`` gives what a packed forward passes.
 """
 
 from __future__ import annotations
@@ -26,12 +28,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 if TYPE_CHECKING:
-    from verl_core.engine.hf import PackedSequences
+    from verl_core.engine.packing import PackedSequences
 
 #: The attention implementation a packed ``sdpa`` model is loaded with (registered with transformers).
 VARLEN_SDPA = "verl_varlen_sdpa"
-#: Implementations whose kernels take ``cu_seq_lens_q`` themselves.
-FLASH_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 #: Stands in for the attention mask of a packed call: transformers passes a 4-D mask through
 #: untouched instead of building the ``[T, T]`` one, and ``varlen_sdpa_attention`` never reads it.
 #: Empty, so that any other attention function given it fails loudly instead of computing with it.
@@ -43,22 +43,31 @@ def attn_implementation_for(name: str, packing: bool) -> str:
     return VARLEN_SDPA if packing and name == "sdpa" else name
 
 
+def shares_prompts(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s attention can read one packed copy of a prompt from several samples."""
+    return _implementation(model) == VARLEN_SDPA
+
+
 def packed_model_inputs(model: torch.nn.Module, packed: PackedSequences) -> dict[str, Any]:
     """Keyword arguments for ``model(input_ids=..., **these)`` on a packed micro-batch: positions,
-    sequence boundaries for variable-length kernels, and the attention mask that suits ``model``'s
-    attention implementation (``eager`` and other implementations without a variable-length path
-    get ``None``: transformers then builds the block-diagonal mask, correct but quadratic)."""
-    implementation = getattr(getattr(model, "module", model).config, "_attn_implementation", None)
-    boundaries = packed.cu_seq_lens
-    longest = packed.longest
-    return {
-        "position_ids": packed.position_ids,
-        "attention_mask": _NO_MASK if implementation == VARLEN_SDPA else None,
-        "cu_seq_lens_q": boundaries,
-        "cu_seq_lens_k": boundaries,
-        "max_length_q": longest,
-        "max_length_k": longest,
-        "use_cache": False,
+    the layout for ``VARLEN_SDPA``, sequence boundaries for variable-length kernels, and the
+    attention mask that suits ``model``'s attention implementation (``eager`` and other
+    implementations without a variable-length path get ``None``: transformers then builds the
+    block-diagonal mask from the restarting positions, correct but quadratic)."""
+    inputs: dict[str, Any] = {"position_ids": packed.position_ids, "use_cache": False}
+    if _implementation(model) == VARLEN_SDPA:
+        return inputs | {"attention_mask": _NO_MASK, "packed_rows": packed.rows, "packed_slots": packed.slots}
+    if packed.cu_seq_lens is None:
+        raise ValueError(
+            f"this packed micro-batch shares prompts between samples, which only {VARLEN_SDPA!r} attention "
+            "reads; pack it without prompt groups"
+        )
+    return inputs | {
+        "attention_mask": None,
+        "cu_seq_lens_q": packed.cu_seq_lens,
+        "cu_seq_lens_k": packed.cu_seq_lens,
+        "max_length_q": packed.longest,
+        "max_length_k": packed.longest,
     }
 
 
@@ -73,10 +82,15 @@ def varlen_sdpa_attention(
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """A transformers attention function: ``[1, heads, T, head_dim]`` packed inputs when
-    ``cu_seq_lens_q`` is given, anything ``sdpa`` takes otherwise; returns ``[1, T, heads, head_dim]``."""
-    boundaries = kwargs.get("cu_seq_lens_q")
-    if boundaries is None:
+    """A transformers attention function: ``[1, heads, T, head_dim]`` packed inputs with their
+    layout (``packed_rows`` and ``packed_slots``, or contiguous sequences given by ``cu_seq_lens_q``
+    and ``max_length_q``), anything ``sdpa`` takes otherwise; returns ``[1, T, heads, head_dim]``."""
+    rows, slots = kwargs.get("packed_rows"), kwargs.get("packed_slots")
+    if rows is None and kwargs.get("cu_seq_lens_q") is not None:
+        rows, slots = _contiguous_layout(
+            kwargs["cu_seq_lens_q"].to(query.device), int(kwargs["max_length_q"])
+        )
+    if rows is None:
         return sdpa_attention_forward(
             module,
             query,
@@ -90,46 +104,49 @@ def varlen_sdpa_attention(
         )
     if query.shape[0] != 1:
         raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}")
-    longest = int(kwargs["max_length_q"])
-    index, sequences = _padded_index(boundaries.to(query.device), query.shape[2], longest)
+    samples, longest = rows.shape
     mask = None
     if sliding_window is not None:
         positions = torch.arange(longest, device=query.device)
         offset = positions[:, None] - positions[None, :]
         mask = (offset >= 0) & (offset < sliding_window)
     output = torch.nn.functional.scaled_dot_product_attention(
-        _to_padded(query, index, sequences, longest),
-        _to_padded(key, index, sequences, longest),
-        _to_padded(value, index, sequences, longest),
+        _gather_padded(query, rows),
+        _gather_padded(key, rows),
+        _gather_padded(value, rows),
         attn_mask=mask,
         dropout_p=dropout,
         is_causal=mask is None,
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
     )
-    # [sequences, heads, longest, dim] -> the packed tokens' rows, [1, T, heads, dim].
-    output = output.transpose(1, 2).reshape(sequences * longest, *output.shape[1:2], output.shape[-1])
-    return output[index][None], None
+    # [samples, heads, longest, dim] -> each packed token's slot, [1, T, heads, dim].
+    output = output.transpose(1, 2).reshape(samples * longest, *output.shape[1:2], output.shape[-1])
+    return output[slots][None], None
 
 
-def _padded_index(boundaries: torch.Tensor, tokens: int, longest: int) -> tuple[torch.Tensor, int]:
-    """For every packed token, its row in the flattened ``[sequences * longest]`` padded layout."""
+def _implementation(model: torch.nn.Module) -> str | None:
+    return getattr(getattr(model, "module", model).config, "_attn_implementation", None)
+
+
+def _contiguous_layout(boundaries: torch.Tensor, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` and ``slots`` of packed sequences that follow each other (``cu_seq_lens``)."""
     boundaries = boundaries.long()
-    sequences = boundaries.numel() - 1
-    sequence = torch.repeat_interleave(
-        torch.arange(sequences, device=boundaries.device),
-        boundaries[1:] - boundaries[:-1],
-        output_size=tokens,
+    starts, lengths = boundaries[:-1], boundaries[1:] - boundaries[:-1]
+    tokens = int(boundaries[-1])
+    p = torch.arange(longest, device=boundaries.device)[None]
+    rows = torch.where(p < lengths[:, None], starts[:, None] + p, torch.full_like(p, tokens))
+    sample = torch.repeat_interleave(
+        torch.arange(len(starts), device=boundaries.device), lengths, output_size=tokens
     )
-    position = torch.arange(tokens, device=boundaries.device) - boundaries[:-1][sequence]
-    return sequence * longest + position, sequences
+    slots = sample * longest + torch.arange(tokens, device=boundaries.device) - starts[sample]
+    return rows, slots
 
 
-def _to_padded(packed: torch.Tensor, index: torch.Tensor, sequences: int, longest: int) -> torch.Tensor:
-    """``[1, heads, T, dim]`` -> ``[sequences, heads, longest, dim]``, zeros after each sequence."""
-    tokens = packed[0].transpose(0, 1)  # [T, heads, dim]
-    padded = tokens.new_zeros(sequences * longest, *tokens.shape[1:]).index_copy(0, index, tokens)
-    return padded.view(sequences, longest, *tokens.shape[1:]).transpose(1, 2)
+def _gather_padded(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[1, heads, T, dim]`` -> ``[samples, heads, longest, dim]`` by ``rows`` (``T``: zeros)."""
+    tokens = torch.cat([packed[0], packed.new_zeros(packed.shape[1], 1, packed.shape[3])], dim=1)
+    return tokens[:, rows].transpose(0, 1)
 
 
 AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)

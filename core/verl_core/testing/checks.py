@@ -34,6 +34,7 @@ from verl_core.testing.report import (
     compare_tensors,
 )
 from verl_core.testing.tiny import (
+    BATCH_SIZE,
     ModelDirs,
     Sample,
     TinyModelSpec,
@@ -73,8 +74,10 @@ SCHEDULE_OPTIM = attrs.evolve(BASE_OPTIM, lr_scheduler="linear", total_steps=5, 
 LR_TOLERANCE = Tolerance(atol=0.0, rtol=1e-12)
 #: The token budget of the dynamic micro-batching split (sequences hold 5 to 14 tokens).
 DYNAMIC_MAX_TOKEN_LEN = 20
-#: Seeds of the batches: step 1 trains on A, step 2 on B, step 3 on C.
+#: Seeds of the batches: step 1 trains on A, step 2 on B, step 3 on C. A's samples share prompts
+#: in groups, as GRPO's do (engines that pack may compute a shared prompt once).
 BATCH_SEEDS = {"A": 1, "B": 2, "C": 3}
+SHARED_PROMPT_BATCHES = ("A",)
 #: On CUDA, what ``to("cpu")`` must free of what an engine held after a step: the AdamW moments are
 #: twice the parameters, so moving only the optimiser frees at least a quarter, moving all of it
 #: leaves at most a twentieth (caches, the odd scalar).
@@ -101,7 +104,11 @@ class RankContext:
     dirs: ModelDirs
     workdir: Path
     samples: dict[str, list[Sample]] = attrs.field(
-        init=False, factory=lambda: {name: make_samples(seed) for name, seed in BATCH_SEEDS.items()}
+        init=False,
+        factory=lambda: {
+            name: make_samples(seed, share_prompts=name in SHARED_PROMPT_BATCHES)
+            for name, seed in BATCH_SEEDS.items()
+        },
     )
     _cache: dict[str, Any] = attrs.field(init=False, factory=dict)
 
@@ -363,8 +370,9 @@ def check_micro_batch_invariance(ctx: RankContext) -> list[Comparison]:
 def check_packing(ctx: RankContext) -> list[Comparison]:
     """Padding-free micro-batches (``micro_batch.packing``) change nothing: the same outputs and the
     same first step as the reference, which runs every sample alone (attention crossing from one
-    packed sequence into the next shows as a difference)."""
-    split = attrs.evolve(BASE_MICRO_BATCH, micro_batch_size=4, packing=True)
+    packed sequence into the next shows as a difference). One micro-batch holds the rank's whole
+    share, so that the samples of a prompt group meet in it (an engine may pack their prompt once)."""
+    split = attrs.evolve(BASE_MICRO_BATCH, micro_batch_size=BATCH_SIZE, packing=True)
     engine = ctx.engine(micro_batch=split)
     outputs = infer(engine, ctx.local_batch("A"))
     comparisons = []

@@ -117,10 +117,15 @@ class Sample:
         return torch.cat([self.prompt, self.response])
 
 
-def make_samples(seed: int, vocab_size: int = VOCAB_SIZE) -> list[Sample]:
-    """``BATCH_SIZE`` samples with the fixed lengths above and random tokens (never the pad id)."""
+def make_samples(seed: int, vocab_size: int = VOCAB_SIZE, share_prompts: bool = False) -> list[Sample]:
+    """``BATCH_SIZE`` samples with the fixed lengths above and random tokens (never the pad id).
+
+    With ``share_prompts`` the samples whose prompts have the same length have the same prompt, as
+    the ``n`` samples of a GRPO group do (five groups of two or three; responses still differ).
+    """
     generator = torch.Generator().manual_seed(seed)
     holes = set(LOSS_MASK_HOLES)
+    prompts: dict[int, torch.Tensor] = {}
     samples = []
     for index, (prompt_length, response_length) in enumerate(
         zip(PROMPT_LENGTHS, RESPONSE_LENGTHS, strict=True)
@@ -129,7 +134,9 @@ def make_samples(seed: int, vocab_size: int = VOCAB_SIZE) -> list[Sample]:
         loss_mask = torch.tensor([0 if (index, t) in holes else 1 for t in range(response_length)])
         samples.append(
             Sample(
-                prompt=tokens[:prompt_length],
+                prompt=prompts.setdefault(prompt_length, tokens[:prompt_length])
+                if share_prompts
+                else tokens[:prompt_length],
                 response=tokens[prompt_length:],
                 loss_mask=loss_mask,
                 advantages=torch.randn(response_length, generator=generator),

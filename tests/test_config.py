@@ -54,6 +54,7 @@ from verl_core.config.loading import fill_total_steps
 from verl_core.config.validators import InvalidValue
 from verl_core.errors import ConfigError, ConfigWarning
 from verl_core.plugins import Registry, get_registry
+from verl_core.rollout.config import HFRolloutConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -820,6 +821,7 @@ def test_docs_list_every_key_with_its_default():
         "critic": CriticConfig,
         "critic.loss": CriticLossConfig,
         "rollout": RolloutConfig,
+        "rollout.hf": HFRolloutConfig,
         "reward": RewardConfig,
         "algorithm": AlgorithmConfig,
         "algorithm.kl_ctrl": KLControlConfig,

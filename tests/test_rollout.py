@@ -110,9 +110,8 @@ def test_a_prompt_sampled_n_times_is_prefilled_once_with_the_same_samples(rollou
     # GRPO's layout, each prompt n times in a row, and a repeat further on.
     prompts = [prompt for prompt in PROMPTS for _ in range(3)] + [PROMPTS[0]]
     prefill_rows = []
-    hook = rollout.model.register_forward_pre_hook(
-        lambda module, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape),
-        with_kwargs=True,
+    hook = rollout.model.get_input_embeddings().register_forward_pre_hook(
+        lambda module, args: prefill_rows.append(args[0].shape)
     )
     try:
         output = rollout.generate(prompts, params(temperature=0.0), seed=0)

@@ -20,3 +20,7 @@ class HFRolloutConfig:
     max_batch_size: int = attrs.field(default=0, validator=non_negative)
     #: The attention kernel of the rollout's model (``sdpa`` or ``eager``).
     attn_implementation: str = "sdpa"
+    #: Decode Llama-architecture models (Llama, Qwen2) with ``verl_core.rollout.decoder.LeanDecoder``
+    #: (the same logits, a fraction of the Python overhead per step; ``sdpa`` only); false, or another
+    #: architecture, decodes with the model's own forward pass.
+    lean_decoder: bool = True

@@ -7,6 +7,8 @@ each row's next position. A row finishes at an EOS token (kept as the response's
 ``max_new_tokens``; a finished row leaves the batch and the cache at once, so later steps cost only
 what the remaining rows need; decoding stops once every row has finished. Responses come back
 right-padded to the longest one, with the log-probs of their tokens (see ``verl_core.rollout.base``).
+The forward passes run on a decoder (``verl_core.rollout.decoder``): ``LeanDecoder`` for
+Llama-architecture models, the model's own forward otherwise.
 
 The rollout holds its own copy of the weights (in eval mode, no gradients) and takes the trained
 ones through ``update_weights``, checking every name and shape against its model.
@@ -14,18 +16,18 @@ ones through ``update_weights``, checking every name and shape against its model
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable, Sequence
 
 import torch
 from tensordict import TensorDict
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
 from verl_core.data.batch import concat_batches, join_prompts_and_responses, left_pad
 from verl_core.engine.hf import DTYPES, check_model_dir
 from verl_core.plugins.messages import close_match
 from verl_core.rollout.base import ROLLOUT_LOG_PROBS, BaseRollout, RolloutError, SamplingParams
 from verl_core.rollout.config import HFRolloutConfig
+from verl_core.rollout.decoder import decoder_for
 from verl_core.rollout.sampling import sample_next
 
 
@@ -53,9 +55,8 @@ class HFRollout(BaseRollout):
         )
         model.requires_grad_(False)
         self.model = model.eval().to(self.device)
-        # transformers 5.2x renamed ``past_key_values`` to ``cache``; older releases know only the former.
-        parameters = inspect.signature(type(model).forward).parameters
-        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        lean = self.options.lean_decoder and self.options.attn_implementation == "sdpa"
+        self._decoder = decoder_for(self.model, lean)
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -109,12 +110,10 @@ class HFRollout(BaseRollout):
     def _generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator: torch.Generator
     ) -> TensorDict:
-        model = self.model
         prompt_ids, prompt_mask = left_pad(list(prompts), sampling.pad_token_id)
         batch = len(prompts)
         device = self.device
-        attention_mask = prompt_mask.to(device)
-        positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+        positions = (prompt_mask.to(device).cumsum(dim=-1) - 1).clamp(min=0)
         eos = torch.tensor(sampling.eos_token_ids, device=device)
         # A prompt sampled n times is prefilled once: its rows share the prefill's logits and cache.
         distinct: dict[tuple[int, ...], int] = {}
@@ -128,20 +127,16 @@ class HFRollout(BaseRollout):
         # the steps after it cost only what the rows still generating need.
         rows = torch.arange(batch)
         next_position = positions[:, -1] + 1
-        cache = DynamicCache()
-        distinct_mask = distinct_mask.to(device)
-        logits = model(
-            input_ids=distinct_ids.to(device),
-            attention_mask=distinct_mask,
-            position_ids=(distinct_mask.cumsum(dim=-1) - 1).clamp(min=0),
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_argument: cache},
-        ).logits[:, -1]
+        decoder = self._decoder
+        logits = decoder.prefill(
+            distinct_ids.to(device),
+            distinct_mask.to(device),
+            capacity=prompt_ids.shape[1] + sampling.max_new_tokens,
+        )
         if len(distinct) < batch:
             source = source.to(device)
             logits = logits[source]
-            cache.batch_select_indices(source)
+            decoder.select(source)
         steps = 0
         for step in range(sampling.max_new_tokens):
             tokens, token_log_probs = sample_next(logits, sampling, generator)
@@ -154,17 +149,9 @@ class HFRollout(BaseRollout):
                 break
             if not bool(going_on.all()):
                 keep = going_on.nonzero()[:, 0]
-                cache.batch_select_indices(keep)
-                rows, tokens = rows[keep.cpu()], tokens[keep]
-                attention_mask, next_position = attention_mask[keep], next_position[keep]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=-1)
-            logits = model(
-                input_ids=tokens[:, None],
-                attention_mask=attention_mask,
-                position_ids=next_position[:, None],
-                use_cache=True,
-                **{self._cache_argument: cache},
-            ).logits[:, -1]
+                decoder.select(keep)
+                rows, tokens, next_position = rows[keep.cpu()], tokens[keep], next_position[keep]
+            logits = decoder.step(tokens, next_position)
             next_position = next_position + 1
         output = join_prompts_and_responses(
             prompt_ids, prompt_mask, responses[:, :steps], response_mask[:, :steps]

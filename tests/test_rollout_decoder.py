@@ -1,0 +1,110 @@
+"""``LeanDecoder`` against the model's own forward pass (``HFDecoder``): the same logits at the
+prefill and at every step, with left-padded prompts, rows dropped and repeated, for Qwen2 (QKV
+biases) and Llama (tied embeddings, no biases); and the architectures it must refuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from verl_core.config.engine import ModelConfig
+from verl_core.data.batch import left_pad
+from verl_core.rollout.base import SamplingParams
+from verl_core.rollout.config import HFRolloutConfig
+from verl_core.rollout.decoder import HFDecoder, LeanDecoder, decoder_for
+from verl_core.rollout.hf import HFRollout
+
+torch.set_num_threads(1)
+
+SHAPE = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2}
+PROMPTS = [[3, 9, 17], [44], [8, 8, 8, 8, 8, 2], [10, 11]]
+
+
+def qwen2(**changes) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**SHAPE, **HEADS, **changes)).eval()
+
+
+def llama(**changes) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**SHAPE, **HEADS, tie_word_embeddings=True, **changes)).eval()
+
+
+@pytest.mark.parametrize("build", [qwen2, llama], ids=["qwen2", "llama"])
+@torch.no_grad()
+def test_lean_logits_equal_the_models_own_forward_at_every_step(build) -> None:
+    model = build()
+    lean, reference = LeanDecoder.for_model(model), HFDecoder(model)
+    assert lean is not None
+    ids, mask = left_pad(PROMPTS, 0)
+    logits = [decoder.prefill(ids, mask, capacity=ids.shape[1] + 6) for decoder in (lean, reference)]
+    torch.testing.assert_close(*logits, atol=1e-5, rtol=1e-5)
+    positions = mask.sum(dim=-1)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(6):
+        if step == 2:  # drop row 1 and repeat row 3, as finished rows and shared prefills do
+            rows = torch.tensor([0, 2, 3, 3])
+            for decoder in (lean, reference):
+                decoder.select(rows)
+            positions = positions[rows]
+        tokens = torch.randint(1, SHAPE["vocab_size"], (len(positions),), generator=generator)
+        logits = [decoder.step(tokens, positions) for decoder in (lean, reference)]
+        torch.testing.assert_close(*logits, atol=1e-5, rtol=1e-5, msg=f"step {step}")
+        positions = positions + 1
+
+
+def test_the_cache_refuses_a_token_past_its_capacity() -> None:
+    lean = LeanDecoder.for_model(qwen2())
+    ids, mask = left_pad([[1, 2]], 0)
+    with torch.no_grad():
+        lean.prefill(ids, mask, capacity=3)
+        lean.step(torch.tensor([4]), torch.tensor([2]))
+        with pytest.raises(RuntimeError, match="no room"):
+            lean.step(torch.tensor([5]), torch.tensor([3]))
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(
+            lambda: GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=64)), id="gpt2"
+        ),
+        pytest.param(lambda: llama(mlp_bias=True), id="llama-mlp-bias"),
+        pytest.param(
+            lambda: qwen2(use_sliding_window=True, sliding_window=4, max_window_layers=0), id="qwen2-sliding"
+        ),
+        pytest.param(
+            lambda: llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+            id="llama-dynamic-rope",
+        ),
+    ],
+)
+def test_architectures_it_does_not_cover_decode_with_the_models_forward(model) -> None:
+    model = model()
+    assert LeanDecoder.for_model(model) is None
+    assert isinstance(decoder_for(model, lean=True), HFDecoder)
+
+
+def test_the_rollout_samples_the_same_tokens_either_way(tmp_path) -> None:
+    qwen2().save_pretrained(tmp_path)
+    outputs = []
+    for lean in (True, False):
+        rollout = HFRollout(ModelConfig(path=str(tmp_path)), HFRolloutConfig(lean_decoder=lean))
+        rollout.initialize()
+        assert isinstance(rollout._decoder, LeanDecoder if lean else HFDecoder)
+        sampling = SamplingParams(max_new_tokens=8, eos_token_ids=(5,), pad_token_id=0, temperature=1.0)
+        outputs.append(rollout.generate(PROMPTS * 2, sampling, seed=7))
+    lean_output, hf_output = outputs
+    assert torch.equal(lean_output["responses"], hf_output["responses"])
+    torch.testing.assert_close(
+        lean_output["rollout_log_probs"], hf_output["rollout_log_probs"], atol=1e-5, rtol=0
+    )

@@ -82,7 +82,7 @@ def test_pack_sequences_finds_every_response_token() -> None:
     assert packed.predicting.tolist() == [1, 2, 3, 5]
     assert packed.response_present.tolist() == [[True, True, True], [True, False, False]]
     assert packed.cu_seq_lens.tolist() == [0, 5, 7] and packed.longest == 5
-    assert packed.rows.tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 7, 7]]  # 7 = T: after the sample's end
+    assert packed.rows.tolist() == [[0, 1, 2, 3, 4], [5, 6, 0, 0, 0]]  # 0 after the sample's end
     assert packed.slots.tolist() == [0, 1, 2, 3, 4, 5, 6]
 
 
@@ -93,7 +93,7 @@ def test_samples_of_one_prompt_read_its_single_packed_copy() -> None:
     # Packed: row 0's prompt + response (4), row 1's (2), row 2's response only (3).
     assert packed.mask.tolist()[2] == [False, False, True, True, True]
     assert packed.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4]]
-    assert packed.rows.tolist() == [[0, 1, 2, 3, 9], [4, 5, 9, 9, 9], [0, 1, 6, 7, 8]]
+    assert packed.rows.tolist() == [[0, 1, 2, 3, 0], [4, 5, 0, 0, 0], [0, 1, 6, 7, 8]]
     assert packed.slots.tolist() == [0, 1, 2, 3, 5, 6, 12, 13, 14]
     assert packed.predicting.tolist() == [1, 2, 4, 1, 6, 7]  # row 2's first token: the shared prompt's end
     assert packed.cu_seq_lens is None  # not contiguous sequences: variable-length kernels cannot run it

@@ -25,7 +25,7 @@ class PackedSequences:
     - ``mask`` ``[b, L]``: the tokens of the padded batch that are packed, in row-major order.
     - ``position_ids`` ``[1, T]``: each packed token's position in its sample's sequence.
     - ``rows`` ``[b, longest]``: the packed index of sample ``i``'s token at position ``p`` (its
-      prompt's copy for a shared prompt), ``T`` after the sample's end.
+      prompt's copy for a shared prompt); 0 after the sample's end (causal attention never reads it).
     - ``slots`` ``[T]``: ``i * longest + p`` for the sample ``i`` that packed the token.
     - ``cu_seq_lens`` (int32 ``[b + 1]``, as variable-length attention kernels take them): where
       each sample's tokens start, when no prompt is shared (each sample is contiguous); else ``None``.
@@ -78,7 +78,6 @@ def pack_sequences(
     )
     counts = packed_mask.sum(dim=-1)
     starts = torch.cumsum(counts, dim=0) - counts
-    tokens = int(counts.sum())
     positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
     position_ids = positions[packed_mask][None]
 
@@ -91,7 +90,7 @@ def pack_sequences(
         starts[owner][:, None] + p,
         response_start[:, None] + p - prompt_lengths[:, None],
     )
-    rows = torch.where(p < lengths[:, None], rows, torch.full_like(rows, tokens))
+    rows = torch.where(p < lengths[:, None], rows, torch.zeros_like(rows))
     packing_row = row[:, None].expand(batch, width)[packed_mask]
     slots = packing_row * longest + position_ids[0]
 

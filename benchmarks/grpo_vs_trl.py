@@ -352,8 +352,8 @@ def main() -> int:
     parser.add_argument(
         "--packing",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="this trainer's padding-free micro-batches (actor.engine.micro_batch.packing; slower on CPU here)",
+        default=True,
+        help="this trainer's padding-free micro-batches (actor.engine.micro_batch.packing, the default)",
     )
     parser.add_argument("--no-trl", action="store_true", help="run this trainer only")
     parser.add_argument("--json", action="store_true", help="print every figure as one JSON object, last")

@@ -68,10 +68,10 @@ class MicroBatchConfig:
     use_dynamic_bsz: bool = False
     #: Token budget per micro-batch on each rank (counts ``attention_mask`` tokens).
     max_token_len: int = attrs.field(default=8192, validator=positive)
-    #: Run each micro-batch padding-free: its sequences concatenated, positions restarting per
-    #: sequence, attention kept within each (engines built on ``HFEngine``; off until every backend's
-    #: conformance is proven with it).
-    packing: bool = False
+    #: Run each micro-batch padding-free: its sequences concatenated without pad tokens, a prompt
+    #: shared by several samples computed once, attention kept within each sequence (engines built
+    #: on ``HFEngine``; the conformance kit's ``packing`` check holds a backend to the padded results).
+    packing: bool = True
 
 
 @attrs.define

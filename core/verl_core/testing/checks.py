@@ -64,8 +64,9 @@ STEP_PARAM_TOLERANCE = Tolerance(atol=1e-6, rtol=0.0)
 #: gradients wrongly moves those weights visibly) and bounds rounding noise (see above); weight
 #: decay is large enough that skipping it on any tensor (norms, say) shows.
 BASE_OPTIM = OptimConfig(lr=1e-3, betas=(0.9, 0.999), eps=1e-4, weight_decay=0.1, clip_grad=1.0)
-#: Two sequences per micro-batch: the base engine already accumulates gradients.
-BASE_MICRO_BATCH = MicroBatchConfig(micro_batch_size=2)
+#: Two padded sequences per micro-batch: the base engine already accumulates gradients. The
+#: ``packing`` check runs the padding-free path (the default of ``micro_batch.packing``).
+BASE_MICRO_BATCH = MicroBatchConfig(micro_batch_size=2, packing=False)
 #: A schedule whose rate changes at every step (linear decay without warmup: 1e-3, 0.84e-3, 0.68e-3,
 #: 0.52e-3, ...), so a scheduler that is not stepped, stepped on another optimiser, or not restored
 #: from a checkpoint gives another rate within the steps the checks compare.

@@ -11,6 +11,7 @@ from fixtures.demo import build_small_demo, run_overrides
 
 from verl_core.config import load_config
 from verl_core.engine.checkpoint import MARKER_FILE
+from verl_core.errors import ConfigError
 from verl_core.trainer import checkpoints
 from verl_core.trainer.rl import RLTrainer, outcome_rewards
 
@@ -195,3 +196,28 @@ def test_a_checkpoint_at_an_epoch_boundary_resumes_into_the_next_epoch(tmp_path)
     expected = metrics_lines(tmp_path / "straight")[-1]
     for key in ("reward/mean", "actor/loss", "actor/grad_norm"):
         assert final[key] == expected[key], key
+
+
+def test_truncated_importance_sampling_recomputes_the_old_log_probs(demo, tmp_path) -> None:
+    # With the rollout's log-probs standing in for the engine's, every weight would be exactly 1.
+    for cap, recomputes in (("null", False), (2.0, True)):
+        trainer = trainer_for(
+            demo,
+            tmp_path / str(cap),
+            **{"actor.policy_loss.rollout_is_cap": cap, "trainer.total_training_steps": 1},
+        )
+        calls = []
+        compute = trainer.actor.compute_log_probs
+        trainer.actor.compute_log_probs = lambda batch: calls.append(len(batch)) or compute(batch)
+        final = trainer.fit()
+        assert trainer.recompute_old_log_probs is recomputes and bool(calls) is recomputes
+        assert ("actor/rollout_is_weight_mean" in final) is recomputes
+
+
+def test_a_fresh_run_refuses_to_save_among_an_earlier_runs_checkpoints(demo, tmp_path) -> None:
+    changes = {"trainer.total_training_steps": 1, "trainer.save_freq": 1}
+    trainer_for(demo, tmp_path, **changes).fit()
+    fresh = changes | {"trainer.resume_mode": "disable"}
+    with pytest.raises(ConfigError, match=r"trainer\.checkpoint_dir: .* holds checkpoints of an earlier run"):
+        trainer_for(demo, tmp_path, **fresh).fit()
+    trainer_for(demo, tmp_path, **(fresh | {"trainer.save_freq": 0})).fit()  # saves nothing: no mix-up

@@ -170,8 +170,19 @@ class TrainerConfig:
                 "resume_from_path",
                 "required when resume_mode is 'resume_path': set the checkpoint to resume",
             )
+        if self.workers == "in_process" and self.world_size != 1:
+            yield (
+                "world_size",
+                f"{self.world_size}: in-process workers run one rank; set trainer.workers=ray for "
+                f"{self.world_size} ranks, or trainer.world_size=1",
+            )
 
     def ignored(self) -> Iterator[tuple[str, str]]:
+        if self.workers == "in_process" and self.ray_address:
+            yield (
+                "ray_address",
+                "ignored: trainer.workers is 'in_process' (no Ray); set trainer.workers=ray to join the cluster",
+            )
         if self.resume_from_path and self.resume_mode != "resume_path":
             yield (
                 "resume_from_path",

@@ -24,6 +24,7 @@ from verl_core.engine.checkpoint import (
     open_checkpoint,
     read_checkpoint_info,
 )
+from verl_core.errors import ConfigError
 
 #: The name of step N's checkpoint folder in ``trainer.checkpoint_dir``.
 STEP_DIR = "global_step_{step}"
@@ -61,8 +62,25 @@ def complete_checkpoints(checkpoint_dir: str | Path) -> list[tuple[int, Path]]:
 
 def find_resume_point(trainer: TrainerConfig) -> Path | None:
     """The checkpoint to resume from, as ``resume_mode`` says: the newest complete one (``auto``), the
-    given one (``resume_path``; an error when it is not a complete checkpoint), or none."""
+    given one (``resume_path``; an error when it is not a complete checkpoint), or none.
+
+    A fresh run (``disable``) that saves checkpoints refuses a ``checkpoint_dir`` holding an earlier
+    run's: its ``global_step_N`` would sit among them, and a later ``auto`` run would resume from
+    whichever is newest, possibly the earlier run's.
+    """
     if trainer.resume_mode == "disable":
+        earlier = complete_checkpoints(trainer.checkpoint_dir) if trainer.save_freq else []
+        if earlier:
+            raise ConfigError(
+                [
+                    (
+                        "trainer.checkpoint_dir",
+                        f"{trainer.checkpoint_dir} holds checkpoints of an earlier run ({earlier[-1][1].name} the "
+                        "newest) and resume_mode is 'disable': give this run another checkpoint_dir, remove "
+                        "them, or continue from them (trainer.resume_mode=auto)",
+                    )
+                ]
+            )
         return None
     if trainer.resume_mode == "resume_path":
         directory, _ = open_checkpoint(trainer.resume_from_path, backend=TRAINER_BACKEND)

@@ -260,10 +260,14 @@ class RLTrainer(Trainer):
     @property
     def recompute_old_log_probs(self) -> bool:
         """Whether the old log-probs must come from the training engine: several updates per batch
-        (mini-batches or epochs) move the policy away from the rollout's before some of them."""
+        (mini-batches or epochs) move the policy away from the rollout's before some of them, and
+        truncated importance sampling (``rollout_is_cap``) weighs the engine's against the rollout's."""
         config = self.config
         return (
-            config.trainer.recompute_old_log_probs or self.num_mini_batches > 1 or config.actor.ppo_epochs > 1
+            config.trainer.recompute_old_log_probs
+            or self.num_mini_batches > 1
+            or config.actor.ppo_epochs > 1
+            or config.actor.policy_loss.rollout_is_cap is not None
         )
 
     def generate(

@@ -164,7 +164,7 @@ class SFTTrainer(Trainer):
         if state.get("trainer") != TRAINER_KIND:
             raise CheckpointError(
                 f"{found} is not an SFT checkpoint (an RL run's, from `verl-core train`?): give the SFT run "
-                "its own trainer.checkpoint_dir, or start fresh (trainer.resume_mode=disable)"
+                "its own trainer.checkpoint_dir"
             )
         self.sampler.load_state_dict(state["sampler"])
         return int(state["global_step"])

@@ -208,7 +208,9 @@ def test_truncated_importance_sampling_recomputes_the_old_log_probs(demo, tmp_pa
         )
         calls = []
         compute = trainer.actor.compute_log_probs
-        trainer.actor.compute_log_probs = lambda batch: calls.append(len(batch)) or compute(batch)
+        trainer.actor.compute_log_probs = lambda batch, calls=calls, compute=compute: (
+            calls.append(len(batch)) or compute(batch)
+        )
         final = trainer.fit()
         assert trainer.recompute_old_log_probs is recomputes and bool(calls) is recomputes
         assert ("actor/rollout_is_weight_mean" in final) is recomputes

@@ -170,14 +170,15 @@ class TrainerConfig:
                 "resume_from_path",
                 "required when resume_mode is 'resume_path': set the checkpoint to resume",
             )
+
+    def ignored(self) -> Iterator[tuple[str, str]]:
+        # Warnings, not errors: one override (trainer.workers=in_process) switches a Ray config.
         if self.workers == "in_process" and self.world_size != 1:
             yield (
                 "world_size",
-                f"{self.world_size}: in-process workers run one rank; set trainer.workers=ray for "
-                f"{self.world_size} ranks, or trainer.world_size=1",
+                f"ignored: in-process workers run one rank, not {self.world_size}; set trainer.workers=ray "
+                f"for {self.world_size} ranks",
             )
-
-    def ignored(self) -> Iterator[tuple[str, str]]:
         if self.workers == "in_process" and self.ray_address:
             yield (
                 "ray_address",

@@ -114,9 +114,12 @@ def test_varlen_attention_equals_each_sequence_attending_alone(sliding_window) -
     tokens = sum(lengths)
     query, key, value = (torch.randn(1, heads, tokens, 8) for heads in (4, 2, 2))
     boundaries = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    # The layout of three sequences packed one after another (all response: no prompt to share).
+    attention_mask = (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).long()
+    layout = pack_sequences(attention_mask, response_length=max(lengths))
     output, _ = varlen_sdpa_attention(
         None, query, key, value, None, scaling=0.3, sliding_window=sliding_window,
-        cu_seq_lens_q=boundaries, max_length_q=max(lengths),
+        packed_rows=layout.rows, packed_slots=layout.slots,
     )  # fmt: skip
     assert output.shape == (1, tokens, 4, 8)
     for start, end in zip(boundaries[:-1].tolist(), boundaries[1:].tolist(), strict=True):

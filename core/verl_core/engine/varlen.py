@@ -84,13 +84,10 @@ def varlen_sdpa_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """A transformers attention function: ``[1, heads, T, head_dim]`` packed inputs with their
-    layout (``packed_rows`` and ``packed_slots``, or contiguous sequences given by ``cu_seq_lens_q``
-    and ``max_length_q``), anything ``sdpa`` takes otherwise; returns ``[1, T, heads, head_dim]``."""
+    layout (``packed_rows`` and ``packed_slots`` of ``PackedSequences``), anything ``sdpa`` takes
+    otherwise (transformers' own packed calls included: it builds their mask); returns
+    ``[1, T, heads, head_dim]``."""
     rows, slots = kwargs.get("packed_rows"), kwargs.get("packed_slots")
-    if rows is None and kwargs.get("cu_seq_lens_q") is not None:
-        rows, slots = _contiguous_layout(
-            kwargs["cu_seq_lens_q"].to(query.device), int(kwargs["max_length_q"])
-        )
     if rows is None:
         return sdpa_attention_forward(
             module,
@@ -128,20 +125,6 @@ def varlen_sdpa_attention(
 
 def _implementation(model: torch.nn.Module) -> str | None:
     return getattr(getattr(model, "module", model).config, "_attn_implementation", None)
-
-
-def _contiguous_layout(boundaries: torch.Tensor, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows`` and ``slots`` of packed sequences that follow each other (``cu_seq_lens``)."""
-    boundaries = boundaries.long()
-    starts, lengths = boundaries[:-1], boundaries[1:] - boundaries[:-1]
-    tokens = int(boundaries[-1])
-    p = torch.arange(longest, device=boundaries.device)[None]
-    rows = torch.where(p < lengths[:, None], starts[:, None] + p, torch.zeros_like(p))
-    sample = torch.repeat_interleave(
-        torch.arange(len(starts), device=boundaries.device), lengths, output_size=tokens
-    )
-    slots = sample * longest + torch.arange(tokens, device=boundaries.device) - starts[sample]
-    return rows, slots
 
 
 def _gather_padded(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -113,7 +113,6 @@ class HFRollout(BaseRollout):
         prompt_ids, prompt_mask = left_pad(list(prompts), sampling.pad_token_id)
         batch = len(prompts)
         device = self.device
-        positions = (prompt_mask.to(device).cumsum(dim=-1) - 1).clamp(min=0)
         eos = torch.tensor(sampling.eos_token_ids, device=device)
         # A prompt sampled n times is prefilled once: its rows share the prefill's logits and cache.
         distinct: dict[tuple[int, ...], int] = {}
@@ -126,7 +125,7 @@ class HFRollout(BaseRollout):
         # The rows still decoding: a row that has sampled EOS leaves the batch (and the cache), so
         # the steps after it cost only what the rows still generating need.
         rows = torch.arange(batch)
-        next_position = positions[:, -1] + 1
+        next_position = prompt_mask.sum(dim=-1).to(device)  # each row's next position: its prompt length
         decoder = self._decoder
         logits = decoder.prefill(
             distinct_ids.to(device),

@@ -40,11 +40,34 @@ def llama(**changes) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("build", [qwen2, llama], ids=["qwen2", "llama"])
-@torch.no_grad()
 def test_lean_logits_equal_the_models_own_forward_at_every_step(build) -> None:
     model = build()
-    lean, reference = LeanDecoder.for_model(model), HFDecoder(model)
+    lean = LeanDecoder.for_model(model)
     assert lean is not None
+    assert_same_logits(lean, HFDecoder(model))
+
+
+class ReorderingDecoder(LeanDecoder):
+    """Keeps the cache rows it is asked for in the wrong order."""
+
+    def select(self, rows: torch.Tensor) -> None:
+        super().select(rows.flip(0))
+
+
+def test_the_comparison_catches_a_decoder_without_rotary_positions_or_with_misordered_rows(
+    monkeypatch,
+) -> None:
+    model = qwen2()
+    with pytest.raises(AssertionError):
+        assert_same_logits(ReorderingDecoder(model), HFDecoder(model))
+    monkeypatch.setattr("verl_core.rollout.decoder._rotate", lambda x, cos, sin: x)
+    with pytest.raises(AssertionError):
+        assert_same_logits(LeanDecoder(model), HFDecoder(model))
+
+
+@torch.no_grad()
+def assert_same_logits(lean, reference) -> None:
+    """Prefill, then six steps with rows dropped and repeated after the second: the same logits."""
     ids, mask = left_pad(PROMPTS, 0)
     logits = [decoder.prefill(ids, mask, capacity=ids.shape[1] + 6) for decoder in (lean, reference)]
     torch.testing.assert_close(*logits, atol=1e-5, rtol=1e-5)

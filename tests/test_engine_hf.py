@@ -6,6 +6,7 @@ offset, dropped ``position_ids`` or a padding leak shows up as a mismatch.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -15,7 +16,14 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 from verl_core.config.engine import ModelConfig
 from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE
 from verl_core.engine.checkpoint import CheckpointError
-from verl_core.engine.hf import ENTROPY, LOG_PROBS, export_hf_model, forward_micro_batch, load_hf_model
+from verl_core.engine.hf import (
+    ENTROPY,
+    LOG_PROBS,
+    compile_decoder_layers,
+    export_hf_model,
+    forward_micro_batch,
+    load_hf_model,
+)
 from verl_core.errors import ConfigError
 from verl_core.testing.tiny import collate, make_samples, save_tiny_models
 
@@ -196,3 +204,39 @@ def test_a_hub_id_that_is_also_a_local_folder_loads_from_the_folder(dirs, tmp_pa
     (tmp_path / "org" / "tiny").symlink_to(dirs.lm)
     model = load_hf_model(ModelConfig(path="org/tiny"))
     assert model.config.vocab_size == AutoModelForCausalLM.from_pretrained(dirs.lm).config.vocab_size
+
+
+def test_compiled_decoder_layers_compute_what_eager_layers_do(dirs, samples, monkeypatch) -> None:
+    """``compile_layers`` runs each decoder layer through ``torch.compile`` (dynamo captures graphs)
+    and changes neither the outputs (1e-5) nor the gradients (1e-6) of a packed micro-batch.
+
+    The graphs run on the ``aot_eager`` backend (dynamo and AOT autograd, as with inductor, without
+    the minute of C++ code generation on this CPU); benchmarks/engine_overhead.py runs inductor."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    results = []
+    for compile_layers in (False, True):
+        model = load_hf_model(ModelConfig(path=dirs.lm, compile_layers=compile_layers), packing=True)
+        batch = collate(samples)
+        batch.set_non_tensor(COMPUTE_ENTROPY, True)
+        output = forward_micro_batch(model, batch, role="lm", packing=True)
+        (output[LOG_PROBS].sum() + output[ENTROPY].sum()).backward()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        results.append((output[LOG_PROBS].detach(), output[ENTROPY].detach(), grads))
+    assert counters["stats"]["unique_graphs"] >= 1, "no layer ran compiled"
+    (log_probs, entropy, grads), (compiled_log_probs, compiled_entropy, compiled_grads) = results
+    torch.testing.assert_close(compiled_log_probs, log_probs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(compiled_entropy, entropy, atol=1e-5, rtol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, atol=1e-6, rtol=0, msg=name)
+
+
+def test_compile_layers_needs_decoder_layer_classes(dirs) -> None:
+    model = load_hf_model(ModelConfig(path=dirs.lm))
+    model._no_split_modules = []
+    with pytest.raises(ConfigError) as caught:
+        compile_decoder_layers(model, "actor.engine.model.compile_layers")
+    assert [path for path, _ in caught.value.errors] == ["actor.engine.model.compile_layers"]

@@ -11,21 +11,25 @@ rank. The tiny model must already be in ``<workdir>/model``. Tests load this fil
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import json
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers import PreTrainedModel
 
 from verl_core.config.engine import MicroBatchConfig
+from verl_core.errors import ConfigError
 from verl_core.plugins import Registry
 from verl_core.testing.checks import (
     SCHEDULE_OPTIM,
@@ -35,14 +39,15 @@ from verl_core.testing.checks import (
     infer,
     train_step,
 )
-from verl_core.testing.losses import policy_loss_fn
-from verl_core.testing.reference import load_reference_model
+from verl_core.testing.losses import TEMPERATURE, policy_loss_fn
+from verl_core.testing.reference import load_reference_model, reference_gradients
 from verl_core.testing.report import BITWISE, Comparison, Tolerance, compare_scalars, compare_state_dicts
 from verl_core.testing.spawn import Rank, SpawnError
 from verl_core.testing.spawn import spawn as run_ranks
 from verl_core.testing.tiny import ModelDirs
+from verl_fsdp import loading
 from verl_fsdp.config import FSDPConfig
-from verl_fsdp.sharding import fsdp_units
+from verl_fsdp.sharding import fsdp_units, full_tensor
 
 #: Where the 2-rank job leaves its checkpoint and what the 1-rank job must find in it.
 CHECKPOINT = "checkpoint_2ranks"
@@ -51,6 +56,9 @@ CONTINUED = "continued_2ranks.pt"  # the uninterrupted 2-rank step 2: metrics an
 HF_EXPORT = "hf_export"
 #: A step on 2 ranks vs 1 rank: the same batch, other reduction orders (see the kit's tolerances).
 ACROSS_WORLD_SIZES = Tolerance(atol=1e-6, rtol=1e-5)
+#: HSDP against the single-process reference (issue 7's bounds): the loss and every gradient.
+HSDP_LOSS = Tolerance(atol=1e-5, rtol=0.0)
+HSDP_GRADIENTS = Tolerance(atol=1e-6, rtol=0.0)
 
 Property = Callable[[RankContext], None]
 
@@ -104,21 +112,73 @@ def with_options(ctx: RankContext, **options: object) -> RankContext:
 
 
 @contextmanager
-def counting_reduce_scatters() -> Iterator[list[torch.dtype]]:
-    """Record the input dtype of every gradient reduce-scatter FSDP issues inside the block."""
-    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+def spying(names: tuple[str, ...]) -> Iterator[list[torch.Tensor]]:
+    """Record the input of every call of the first of ``names`` that ``torch.distributed`` has (FSDP's
+    collectives were renamed across torch versions) inside the block."""
+    name = next(name for name in names if hasattr(dist, name))
     original = getattr(dist, name)
-    dtypes: list[torch.dtype] = []
+    inputs: list[torch.Tensor] = []
 
     def spy(output: torch.Tensor, input: torch.Tensor, *args: object, **kwargs: object):
-        dtypes.append(input.dtype)
+        inputs.append(input)
         return original(output, input, *args, **kwargs)
 
     setattr(dist, name, spy)
     try:
-        yield dtypes
+        yield inputs
     finally:
         setattr(dist, name, original)
+
+
+def counting_reduce_scatters() -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+    """Every gradient reduce-scatter FSDP issues inside the block (its input)."""
+    return spying(("reduce_scatter_single", "reduce_scatter_tensor"))
+
+
+def counting_all_gathers() -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+    """Every parameter all-gather FSDP issues inside the block (its input)."""
+    return spying(("all_gather_single", "all_gather_into_tensor"))
+
+
+def same_start(ctx: RankContext, name: str, engine: Any, baseline: Any, role: str = "lm") -> list[Comparison]:
+    """``engine`` starts where ``baseline`` (every rank loading the weights) does: the buffers of the
+    Hugging Face model and the same first step, bitwise."""
+    reference = dict(load_reference_model(ctx.dirs.for_role(role), role).named_buffers())
+    comparisons = compare_state_dicts(
+        name, "buffers", engine.model.named_buffers(), reference, BITWISE, ctx.rank, "HF model"
+    )
+    got = train_step(engine, ctx.local_batch("A"), role)
+    want = train_step(baseline, ctx.local_batch("A"), role)
+    comparisons += [
+        compare_scalars(name, f"step 1 {key}", got[key], want[key], BITWISE, ctx.rank, "every rank loading")
+        for key in ("loss", "grad_norm")
+    ]
+    return comparisons + compare_state_dicts(
+        name,
+        "weights after step 1",
+        exported(engine),
+        dict(exported(baseline)),
+        BITWISE,
+        ctx.rank,
+        "every rank loading",
+    )
+
+
+@contextmanager
+def counting_weight_loads() -> Iterator[list[str]]:
+    """Record every ``from_pretrained`` (a read of the checkpoint) inside the block."""
+    original = PreTrainedModel.from_pretrained.__func__
+    loads: list[str] = []
+
+    def spy(cls: type, *args: object, **kwargs: object):
+        loads.append("read")
+        return original(cls, *args, **kwargs)
+
+    PreTrainedModel.from_pretrained = classmethod(spy)
+    try:
+        yield loads
+    finally:
+        PreTrainedModel.from_pretrained = classmethod(original)
 
 
 # -- properties of the 2-rank job -------------------------------------------------------------------
@@ -181,9 +241,8 @@ def mixed_precision(ctx: RankContext) -> None:
         assert seen and set(seen) == {torch.bfloat16}, f"forward weights in {set(seen)}"
         assert {p.dtype for p in engine.model.parameters()} == {torch.float32}, "master weights not fp32"
         if ctx.world_size > 1:  # one rank has nothing to reduce: FSDP skips the collective
-            assert set(reductions) == {reduced_in}, (
-                f"reduce_dtype={reduce_dtype}: reduced in {set(reductions)}"
-            )
+            dtypes = {reduction.dtype for reduction in reductions}
+            assert dtypes == {reduced_in}, f"reduce_dtype={reduce_dtype}: reduced in {dtypes}"
         difference = float((log_probs - expected).abs().max())
         assert 1e-5 < difference < 0.1, f"bf16 log-probs differ from fp32 by {difference}"
         assert abs(loss - expected_loss) < 0.05 * abs(expected_loss), f"loss {loss} vs fp32 {expected_loss}"
@@ -318,6 +377,183 @@ def checkpoint_at_two_ranks(ctx: RankContext) -> None:
 def hf_export(ctx: RankContext) -> None:
     """``save_hf_model`` on every rank; the test reads what rank 0 wrote."""
     ctx.engine().save_hf_model(str(ctx.workdir / HF_EXPORT))
+
+
+def load_on_rank0_starts_like_every_rank_loading(ctx: RankContext) -> None:
+    """Under ``load_on_rank0`` only rank 0 reads the checkpoint (the other ranks build the model on
+    the meta device); every rank ends with the Hugging Face model's buffers and the first step is
+    bitwise that of every rank loading the weights, for both roles (the critic's value head is
+    initialised on rank 0 only)."""
+    comparisons = []
+    for role in ("lm", "value"):
+        with counting_weight_loads() as loads:
+            engine = with_options(ctx, load_on_rank0=True).engine(role)
+        expected = ["read"] if ctx.rank == 0 else []
+        assert loads == expected, f"{role}: rank {ctx.rank} read the checkpoint {len(loads)} times"
+        comparisons += same_start(ctx, f"load_on_rank0 {role}", engine, ctx.engine(role), role)
+    require(comparisons)
+
+
+def load_on_rank0_that_forgets_buffers_is_caught(ctx: RankContext) -> None:
+    """A broken loader that sends only the parameters leaves the rotary ``inv_freq`` of the meta-built
+    ranks as ``to_empty`` made it: ``same_start`` must report it there (rank 0 loaded real buffers)."""
+    original = loading.tensors_to_load
+    loading.tensors_to_load = lambda module: module.named_parameters()
+    try:
+        engine = with_options(ctx, load_on_rank0=True).engine()
+    finally:
+        loading.tensors_to_load = original
+    failed = [c.describe() for c in same_start(ctx, "broken", engine, ctx.engine()) if not c.passed]
+    if ctx.rank == 0:
+        return
+    assert any("buffers" in line and "inv_freq" in line for line in failed), failed or "nothing failed"
+
+
+def keep_params_gathered_gathers_once_per_step(ctx: RankContext) -> None:
+    """With 6 micro-batches per rank, ``keep_params_gathered`` all-gathers each unit once per step
+    (the default gathers each layer twice per micro-batch: forward, then backward), computes the same
+    step bitwise, and leaves the shards registered after the step and after inference."""
+    micro_batch = MicroBatchConfig(micro_batch_size=1)
+    runs = []
+    for options in ({}, {"keep_params_gathered": True}):
+        engine = with_options(ctx, **options).engine(micro_batch=micro_batch)
+        with counting_all_gathers() as gathers:
+            metrics = train_step(engine, ctx.local_batch("A"))
+        gathered = [n for n, p in engine.model.named_parameters() if not isinstance(p, DTensor)]
+        assert not gathered, f"{options}: gathered after the step: {gathered}"
+        infer(engine, ctx.local_batch("B"))
+        gathered = [n for n, p in engine.model.named_parameters() if not isinstance(p, DTensor)]
+        assert not gathered, f"{options}: gathered after inference: {gathered}"
+        runs.append((len(gathers), metrics, exported(engine)))
+    (default_gathers, want, want_params), (kept_gathers, got, got_params) = runs
+    units = len(fsdp_units(engine.model))
+    assert kept_gathers == units, f"keep_params_gathered: {kept_gathers} all-gathers for {units} units"
+    assert default_gathers == 6 * (2 * (units - 1) + 1), f"default: {default_gathers} all-gathers"
+    require(
+        [
+            compare_scalars("keep_params_gathered", key, got[key], want[key], BITWISE, ctx.rank, "default")
+            for key in ("loss", "grad_norm")
+        ]
+        + compare_state_dicts(
+            "keep_params_gathered",
+            "weights after the step",
+            got_params,
+            dict(want_params),
+            BITWISE,
+            ctx.rank,
+            "default",
+        )
+    )
+
+
+# -- properties of the 4-rank job (HSDP: 2 groups of 2) --------------------------------------------
+
+
+def hsdp(ctx: RankContext) -> RankContext:
+    return with_options(ctx, shard_size=2)
+
+
+def hsdp_layout(ctx: RankContext) -> None:
+    """``shard_size: 2`` at 4 ranks: every parameter is replicated across 2 groups and sharded on
+    dim 0 within each; ranks 0 and 2 (and 1 and 3) hold the same shard."""
+    engine = hsdp(ctx).engine()
+    for name, parameter in engine.model.named_parameters():
+        assert isinstance(parameter, DTensor), f"{name} is a {type(parameter).__name__}"
+        assert parameter.placements == (Replicate(), Shard(0)), f"{name}: placements {parameter.placements}"
+        mesh = parameter.device_mesh
+        assert mesh.mesh_dim_names == ("replicate", "shard") and tuple(mesh.shape) == (2, 2), (
+            f"{name}: {mesh}"
+        )
+    local = torch.cat([p.to_local().flatten() for p in engine.model.parameters()])
+    shards = [torch.empty_like(local) for _ in range(ctx.world_size)]
+    dist.all_gather(shards, local)
+    assert torch.equal(shards[ctx.rank], shards[(ctx.rank + 2) % 4]), "replicas hold different shards"
+    assert not torch.equal(shards[0], shards[1]), "the two ranks of a group hold the same shard"
+
+
+def hsdp_gradients(ctx: RankContext, engine: Any) -> list[Comparison]:
+    """The loss and every gradient of batch A against one process on the whole batch (1e-5, 1e-6)."""
+    with engine.train_mode():
+        result = engine.forward_backward_batch(ctx.local_batch("A"), policy_loss_fn, forward_only=False)
+    gradients = [(name, full_tensor(p.grad)) for name, p in engine.model.named_parameters()]
+    engine.optimizer_zero_grad()
+    loss, expected = reference_gradients(ctx.dirs.lm, "lm", ctx.samples["A"], TEMPERATURE)
+    return [compare_scalars("hsdp", "loss", result.loss, loss, HSDP_LOSS, ctx.rank)] + compare_state_dicts(
+        "hsdp", "gradients", gradients, expected, HSDP_GRADIENTS, ctx.rank
+    )
+
+
+def hsdp_matches_the_single_process_reference(ctx: RankContext) -> None:
+    """At 2x2 the loss and every gradient of batch A match one process on the whole batch, and so
+    does the step (loss and weights after it)."""
+    engine = hsdp(ctx).engine()
+    comparisons = hsdp_gradients(ctx, engine)
+    metrics = train_step(engine, ctx.local_batch("A"))
+    step = ctx.reference_step()
+    require(
+        comparisons
+        + [compare_scalars("hsdp", "step loss", metrics["loss"], step.loss, ACROSS_WORLD_SIZES, ctx.rank)]
+        + compare_state_dicts(
+            "hsdp", "weights after the step", exported(engine), step.params, STEP_PARAM_TOLERANCE, ctx.rank
+        )
+    )
+
+
+def hsdp_averaging_within_groups_is_caught(ctx: RankContext) -> None:
+    """Broken on purpose: gradients averaged over the 2 ranks of a shard group instead of all 4 DP
+    ranks (twice the true gradient) must fail the gradient comparison."""
+    engine = hsdp(ctx).engine()
+    engine.model.set_gradient_divide_factor(2.0)
+    failed = [c.describe() for c in hsdp_gradients(ctx, engine) if not c.passed]
+    assert any("gradients" in line for line in failed), failed or "nothing failed"
+
+
+def hsdp_checkpoint_loads_into_plain_fsdp(ctx: RankContext) -> None:
+    """A checkpoint saved under HSDP loads into a 1-D mesh of the same ranks (DCP reshards): the next
+    step matches the HSDP engine's own next step."""
+    engine = hsdp(ctx).engine(optim=SCHEDULE_OPTIM)
+    train_step(engine, ctx.local_batch("A"))
+    engine.save_checkpoint(str(ctx.workdir / "checkpoint_hsdp"), global_step=1)
+    want = train_step(engine, ctx.local_batch("B"))
+    plain = ctx.engine(optim=SCHEDULE_OPTIM)
+    assert plain.load_checkpoint(str(ctx.workdir / "checkpoint_hsdp")) == 1
+    got = train_step(plain, ctx.local_batch("B"))
+    require(
+        [
+            compare_scalars("hsdp checkpoint", key, got[key], want[key], ACROSS_WORLD_SIZES, ctx.rank, "HSDP")
+            for key in ("loss", "grad_norm", "lr")
+        ]
+        + compare_state_dicts(
+            "hsdp checkpoint",
+            "weights after step 2",
+            exported(plain),
+            dict(exported(engine)),
+            STEP_PARAM_TOLERANCE,
+            ctx.rank,
+            "HSDP",
+        )
+    )
+
+
+def hsdp_load_on_rank0_starts_like_every_rank_loading(ctx: RankContext) -> None:
+    """Rank-0 loading composes with HSDP: rank 0 sends to both groups."""
+    require(
+        same_start(
+            ctx,
+            "hsdp load_on_rank0",
+            with_options(ctx, shard_size=2, load_on_rank0=True).engine(),
+            hsdp(ctx).engine(),
+        )
+    )
+
+
+def shard_size_must_divide_the_ranks(ctx: RankContext) -> None:
+    try:
+        with_options(ctx, shard_size=3).engine()
+    except ConfigError as error:
+        assert "engine.fsdp.shard_size" in str(error) and "[1, 2, 4]" in str(error), error
+    else:
+        raise AssertionError("shard_size=3 was accepted at 4 ranks")
 
 
 # -- properties of the 1-rank job -------------------------------------------------------------------
@@ -465,6 +701,17 @@ JOBS: dict[str, list[Property]] = {
         checkpoint_at_two_ranks,
         hf_export,
         refuses_moving_parameters_without_gradients,
+        load_on_rank0_starts_like_every_rank_loading,
+        load_on_rank0_that_forgets_buffers_is_caught,
+        keep_params_gathered_gathers_once_per_step,
+    ],
+    "hsdp": [
+        hsdp_layout,
+        hsdp_matches_the_single_process_reference,
+        hsdp_averaging_within_groups_is_caught,
+        hsdp_checkpoint_loads_into_plain_fsdp,
+        hsdp_load_on_rank0_starts_like_every_rank_loading,
+        shard_size_must_divide_the_ranks,
     ],
     "one_rank": [resumes_checkpoint_of_two_ranks, one_rank_group_runs_unsharded],
     "cuda": [bf16_on_cuda, cpu_offload_on_cuda, param_offload_on_cuda],

@@ -2,7 +2,8 @@
 inference, one gradient reduction per step, mixed precision, CPU offload, lazy weight export, a
 checkpoint saved at 2 ranks resumed at 1, and the Hugging Face export's config.
 
-Two spawns in all (each costs ~10 s): a 2-rank job and a 1-rank job that resumes its checkpoint.
+Three spawns in all (each costs ~10 s): a 2-rank job, a 1-rank job that resumes its checkpoint, and a
+4-rank job for hybrid sharding (2 groups of 2).
 The properties themselves live in ``fsdp_jobs.py`` (the rank side); each test here asserts one of them
 on every rank, with the rank's traceback when it fails.
 """
@@ -31,6 +32,11 @@ def workdir(tiny_models) -> Path:
 @pytest.fixture(scope="module")
 def two_ranks(fsdp_jobs, workdir) -> list[dict[str, str | None]]:
     return run(fsdp_jobs, "two_ranks", 2, workdir)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(fsdp_jobs, workdir) -> list[dict[str, str | None]]:
+    return run(fsdp_jobs, "hsdp", 4, workdir)  # shard_size 2: two groups of two
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +131,39 @@ def test_hf_export_names_the_model_class_not_the_fsdp_wrapper(fsdp_jobs, workdir
     config = json.loads((export / "config.json").read_text())
     assert config["architectures"] == ["Qwen2ForCausalLM"], "the FSDP wrapper's class name leaked"
     assert sorted(p.name for p in export.iterdir() if p.suffix == ".safetensors") == ["model.safetensors"]
+
+
+def test_load_on_rank0_reads_the_checkpoint_once_and_starts_bitwise_alike(fsdp_jobs, two_ranks) -> None:
+    assert_holds(fsdp_jobs, two_ranks, "load_on_rank0_starts_like_every_rank_loading")
+
+
+def test_a_rank0_loader_that_forgets_the_buffers_is_caught(fsdp_jobs, two_ranks) -> None:
+    assert_holds(fsdp_jobs, two_ranks, "load_on_rank0_that_forgets_buffers_is_caught")
+
+
+def test_keep_params_gathered_gathers_each_unit_once_per_step(fsdp_jobs, two_ranks) -> None:
+    assert_holds(fsdp_jobs, two_ranks, "keep_params_gathered_gathers_once_per_step")
+
+
+def test_hsdp_replicates_across_groups_and_shards_within(fsdp_jobs, four_ranks) -> None:
+    assert_holds(fsdp_jobs, four_ranks, "hsdp_layout")
+
+
+def test_hsdp_2x2_matches_the_single_process_loss_and_gradients(fsdp_jobs, four_ranks) -> None:
+    assert_holds(fsdp_jobs, four_ranks, "hsdp_matches_the_single_process_reference")
+
+
+def test_hsdp_averaging_gradients_within_groups_is_caught(fsdp_jobs, four_ranks) -> None:
+    assert_holds(fsdp_jobs, four_ranks, "hsdp_averaging_within_groups_is_caught")
+
+
+def test_hsdp_checkpoint_loads_into_a_one_dimensional_mesh(fsdp_jobs, four_ranks) -> None:
+    assert_holds(fsdp_jobs, four_ranks, "hsdp_checkpoint_loads_into_plain_fsdp")
+
+
+def test_hsdp_with_load_on_rank0_starts_bitwise_alike(fsdp_jobs, four_ranks) -> None:
+    assert_holds(fsdp_jobs, four_ranks, "hsdp_load_on_rank0_starts_like_every_rank_loading")
+
+
+def test_shard_size_that_does_not_divide_the_ranks_names_the_key(fsdp_jobs, four_ranks) -> None:
+    assert_holds(fsdp_jobs, four_ranks, "shard_size_must_divide_the_ranks")

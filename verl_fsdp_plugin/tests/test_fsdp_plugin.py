@@ -4,10 +4,14 @@ trip), the layout's configuration errors, the engine's guards, and the unsharded
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
+import attrs
 import pytest
 import torch
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
@@ -21,6 +25,7 @@ from verl_core.testing.tiny import collate, make_samples
 from verl_fsdp import sharding
 from verl_fsdp.config import FSDPConfig
 from verl_fsdp.engine import OPTIMIZER_DIR, FSDPEngine
+from verl_fsdp.sharding import check_shard_size
 
 torch.set_num_threads(1)
 
@@ -54,6 +59,35 @@ def test_option_errors_name_their_full_path(registry) -> None:
     assert "bfloat16" in errors["actor.engine.fsdp.param_dtype"]
 
 
+@pytest.mark.parametrize("shard_size", [0, -2])
+def test_shard_size_must_be_a_positive_number_of_ranks(registry, shard_size) -> None:
+    data = {"backend": "fsdp", "model": {"path": "m"}, "fsdp": {"shard_size": shard_size}}
+    with pytest.raises(ConfigError) as caught:
+        structure(data, EngineConfig, "actor.engine", registry=registry)
+    assert list(dict(caught.value.errors)) == ["actor.engine.fsdp.shard_size"]
+
+
+@given(dp_size=st.integers(1, 64), shard_size=st.integers(1, 64))
+def test_shard_size_must_divide_the_data_parallel_ranks(dp_size, shard_size) -> None:
+    if dp_size % shard_size == 0:
+        check_shard_size(shard_size, dp_size)
+        return
+    with pytest.raises(ConfigError) as caught:
+        check_shard_size(shard_size, dp_size, "actor.engine.fsdp")
+    [(path, message)] = caught.value.errors
+    assert path == "actor.engine.fsdp.shard_size"
+    assert str([n for n in range(1, dp_size + 1) if dp_size % n == 0]) in message
+
+
+def test_the_options_table_documents_every_option_with_its_default() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "backends" / "fsdp.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", doc, flags=re.MULTILINE))
+    defaults = {field.name: field.default for field in attrs.fields(FSDPConfig)}
+    assert sorted(rows) == sorted(defaults)
+    for name, default in defaults.items():
+        assert yaml.safe_load(rows[name]) == (list(default) if isinstance(default, tuple) else default), name
+
+
 def test_shard_modules_must_be_class_names() -> None:
     with pytest.raises(ValueError, match=r"shard_modules: \['two words'\] are not module class names"):
         FSDPConfig(shard_modules=("two words",))
@@ -65,19 +99,22 @@ class_names = st.from_regex(r"[A-Z][A-Za-z0-9_]{0,15}", fullmatch=True)
 
 @settings(max_examples=50, deadline=None)
 @given(
-    reshard=st.booleans(),
-    param_dtype=dtype_names,
-    reduce_dtype=dtype_names,
-    cpu_offload=st.booleans(),
-    shard_modules=st.lists(class_names, max_size=3).map(tuple),
+    options=st.builds(
+        FSDPConfig,
+        reshard_after_forward=st.booleans(),
+        param_dtype=dtype_names,
+        reduce_dtype=dtype_names,
+        cpu_offload=st.booleans(),
+        shard_modules=st.lists(class_names, max_size=3).map(tuple),
+        shard_size=st.none() | st.integers(1, 64),
+        load_on_rank0=st.booleans(),
+        keep_params_gathered=st.booleans(),
+    )
 )
-def test_every_combination_of_options_round_trips_through_plain_data(
-    registry, reshard, param_dtype, reduce_dtype, cpu_offload, shard_modules
-) -> None:
-    options = FSDPConfig(reshard, param_dtype, reduce_dtype, cpu_offload, shard_modules)
+def test_every_combination_of_options_round_trips_through_plain_data(registry, options) -> None:
     config = EngineConfig(backend="fsdp", model=ModelConfig(path="m"), options=options)
     data = unstructure(config)
-    assert data["fsdp"]["shard_modules"] == list(shard_modules)  # YAML-friendly: lists, not tuples
+    assert data["fsdp"]["shard_modules"] == list(options.shard_modules)  # YAML-friendly: lists, not tuples
     assert structure(data, EngineConfig, registry=registry) == config
 
 
@@ -139,6 +176,13 @@ def test_options_that_need_fsdp_are_refused_without_a_process_group(tiny_models)
         engine.initialize()
     assert [path for path, _ in caught.value.errors] == ["engine.fsdp.param_dtype", "engine.fsdp.cpu_offload"]
     assert all("call torch.distributed.init_process_group" in message for _, message in caught.value.errors)
+
+
+def test_hybrid_sharding_is_refused_without_a_process_group(tiny_models) -> None:
+    engine = FSDPEngine(engine_config(tiny_models.lm, options=FSDPConfig(shard_size=2)))
+    with pytest.raises(ConfigError) as caught:
+        engine.initialize()
+    assert [path for path, _ in caught.value.errors] == ["engine.fsdp.shard_size"]
 
 
 def test_single_process_engine_runs_the_plain_model(registry, tiny_models) -> None:

@@ -27,6 +27,9 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False
+    #: ``torch.compile`` each decoder layer's forward (compiled on first use; shapes that vary between
+    #: micro-batches are compiled once more, as dynamic).
+    compile_layers: bool = False
 
 
 @attrs.define

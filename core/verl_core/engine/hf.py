@@ -93,12 +93,19 @@ def _looks_like_hub_id(path: str) -> bool:
 
 
 def load_hf_model(
-    config: ModelConfig, role: str = "lm", seed: int = 0, where: str = "model", packing: bool = False
+    config: ModelConfig,
+    role: str = "lm",
+    seed: int = 0,
+    where: str = "model",
+    packing: bool = False,
+    on_meta: bool = False,
 ) -> PreTrainedModel:
     """Load ``config.path`` (a local folder) for ``role`` on CPU, in ``config.dtype``, in train mode.
 
     With ``packing`` (the engine runs ``forward_micro_batch(..., packing=True)``) an ``sdpa`` model
     gets ``verl_core.engine.varlen``'s attention, which keeps packed attention as cheap as padded.
+    With ``on_meta`` only the architecture is built, on the meta device, without reading the weights:
+    for a rank that receives them from another (its buffers are meta tensors too, to be filled).
 
     Weights the checkpoint lacks (the value head of a critic built from a causal LM) are initialised
     from ``seed``, identically on every rank. ``where`` is the config path of ``config`` for errors
@@ -117,23 +124,46 @@ def load_hf_model(
         # The head's dropout would make values differ between train and eval passes.
         hf_config.classifier_dropout = 0.0
     model_class = AutoModelForCausalLM if role == "lm" else AutoModelForTokenClassification
-    with seeded(seed):
-        model = model_class.from_pretrained(
-            path,
-            config=hf_config,
-            local_files_only=True,
-            dtype=DTYPES[config.dtype],
-            attn_implementation=attn_implementation_for(config.attn_implementation, packing),
-            trust_remote_code=config.trust_remote_code,
-        )
+    common = {
+        "dtype": DTYPES[config.dtype],
+        "attn_implementation": attn_implementation_for(config.attn_implementation, packing),
+        "trust_remote_code": config.trust_remote_code,
+    }
+    if on_meta:
+        with torch.device("meta"):
+            model = model_class.from_config(hf_config, **common)
+    else:
+        with seeded(seed):
+            model = model_class.from_pretrained(path, config=hf_config, local_files_only=True, **common)
     if config.gradient_checkpointing:
         # Non-reentrant checkpointing works under DDP/FSDP; transformers renamed the method in v5.
         enable = (
             getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         )
         enable({"use_reentrant": False})
+    if config.compile_layers:
+        compile_decoder_layers(model, f"{where}.compile_layers")
     model.train()
     return model
+
+
+def compile_decoder_layers(model: PreTrainedModel, where: str = "model.compile_layers") -> None:
+    """``torch.compile`` the forward of each decoder layer (the classes of the model's
+    ``_no_split_modules``), in place. Only ``forward`` is compiled, not the module call: the hooks
+    that DDP and FSDP put on the layers keep running eagerly around it."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [module for module in model.modules() if type(module).__name__ in classes]
+    if not layers:
+        raise ConfigError(
+            [
+                (
+                    where,
+                    f"{type(model).__name__} names no decoder layer classes (_no_split_modules): turn it off",
+                )
+            ]
+        )
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
 
 
 def forward_micro_batch(

@@ -5,6 +5,8 @@ A backend built on it supplies its parallel layout and little else:
 - ``wrap_model(module)`` (required): lay the loaded model out over ``dp_group`` on ``self.device``
   and return what runs forward (``DistributedDataParallel(module)``, the FSDP-sharded module, or
   ``module`` itself);
+- ``load_model()``: the model this rank starts from (default: ``load_hf_model`` on the CPU; a
+  backend whose ranks receive the weights from another builds it on the meta device instead);
 - ``no_sync()``: skip gradient synchronisation between micro-batches (default: nothing to skip);
 - ``move_model(device, parameters, gradients)``: offload and reload (default: ``move_module``);
 - ``full_tensor(tensor)``: a whole weight from what ``module.state_dict()`` holds (default: as is;
@@ -64,6 +66,17 @@ class HFEngine(TorchOptimizerSteps, BaseEngine):
         return what runs forward. Called once, by ``initialize``, on every rank (a collective where
         the wrapper's construction is one: DDP broadcasts rank 0's weights)."""
 
+    def load_model(self) -> torch.nn.Module:
+        """The Hugging Face model for this rank, before ``wrap_model``: by default loaded from
+        ``config.model`` on the CPU, in train mode."""
+        return load_hf_model(
+            self.config.model,
+            self.role,
+            seed=self.config.seed,
+            where=f"{self.config_path}.model",
+            packing=self.config.micro_batch.packing,
+        )
+
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Entered around every micro-batch but the step's last: accumulate gradients locally."""
         return contextlib.nullcontext()
@@ -82,13 +95,7 @@ class HFEngine(TorchOptimizerSteps, BaseEngine):
         if self.module is not None:
             raise RuntimeError(f"{type(self).__name__}.initialize() was already called")
         validate_optim_config(self.config.optim, f"{self.config_path}.optim")  # before the slow load
-        module = load_hf_model(
-            self.config.model,
-            self.role,
-            seed=self.config.seed,
-            where=f"{self.config_path}.model",
-            packing=self.config.micro_batch.packing,
-        )
+        module = self.load_model()
         self.model = self.wrap_model(module)
         self.module = module
         self.optimizer = build_optimizer(self.model.parameters(), self.config.optim)

@@ -118,17 +118,7 @@ def reference_steps(
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros(())
-        num_tokens = 0
-        for sample in samples:
-            outputs = sample_outputs(model, sample, role, temperature)
-            if role == "value":
-                token_loss = value_token_loss(outputs["values"], sample.returns)
-            else:
-                token_loss = policy_token_loss(outputs["log_probs"], outputs["entropy"], sample.advantages)
-            total = total + (token_loss * sample.loss_mask).sum()
-            num_tokens += int(sample.loss_mask.sum())
-        loss = total / num_tokens
+        loss = reference_loss(model, samples, role, temperature)
         loss.backward()
         max_norm = optim.clip_grad if optim.clip_grad > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm))
@@ -136,6 +126,35 @@ def reference_steps(
         params = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
         steps.append(ReferenceStep(float(loss.detach()), grad_norm, lr, params, model))
     return steps
+
+
+def reference_loss(
+    model: torch.nn.Module, samples: Sequence[Sample], role: str, temperature: float
+) -> torch.Tensor:
+    """The kit's loss on ``samples`` (each run alone, unpadded): the token mean over all of them of
+    the policy loss (``lm``) or the value loss (``value``), differentiable."""
+    total = torch.zeros(())
+    num_tokens = 0
+    for sample in samples:
+        outputs = sample_outputs(model, sample, role, temperature)
+        if role == "value":
+            token_loss = value_token_loss(outputs["values"], sample.returns)
+        else:
+            token_loss = policy_token_loss(outputs["log_probs"], outputs["entropy"], sample.advantages)
+        total = total + (token_loss * sample.loss_mask).sum()
+        num_tokens += int(sample.loss_mask.sum())
+    return total / num_tokens
+
+
+def reference_gradients(
+    path: str, role: str, samples: Sequence[Sample], temperature: float
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """Load ``path``; the loss on all ``samples`` and its gradient per parameter (Hugging Face names)."""
+    model = load_reference_model(path, role)
+    model.train()
+    loss = reference_loss(model, samples, role, temperature)
+    loss.backward()
+    return float(loss.detach()), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
 def reference_step(

@@ -10,7 +10,7 @@ from typing import Literal
 
 import attrs
 
-from verl_core.config.validators import InvalidValue
+from verl_core.config.validators import InvalidValue, positive
 
 #: Names of the floating-point dtypes FSDP may compute or reduce in (those of ``model.dtype``).
 DtypeName = Literal["float32", "bfloat16", "float16"]
@@ -52,3 +52,15 @@ class FSDPConfig:
     #: Class names of the modules that become FSDP units. Empty: the model's own
     #: ``_no_split_modules`` (its decoder layers, e.g. ``Qwen2DecoderLayer``).
     shard_modules: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_class_names)
+    #: Hybrid sharding (HSDP): shard within groups of this many DP ranks and replicate across the
+    #: groups (a 2-D ``("replicate", "shard")`` mesh; gradients are reduce-scattered within a group,
+    #: then all-reduced across groups). Must divide the DP size. None: shard across all DP ranks.
+    shard_size: int | None = attrs.field(default=None, validator=positive)
+    #: Load the weights on DP rank 0 only: the other ranks build the model on the meta device and
+    #: receive their shards (and the buffers the checkpoint lacks, such as the rotary ``inv_freq``)
+    #: from rank 0, so no rank but the first holds a full copy of the model.
+    load_on_rank0: bool = False
+    #: Keep each unit's parameters gathered from their first all-gather in a step to the step's last
+    #: backward, instead of gathering them again for every micro-batch: fewer collectives, at the
+    #: cost of the full parameters resident during the step (as without sharding).
+    keep_params_gathered: bool = False

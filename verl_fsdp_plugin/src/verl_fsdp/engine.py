@@ -36,6 +36,7 @@ from verl_core.engine import (
     LossFn,
     atomic_checkpoint,
     load_checkpoint_file,
+    load_hf_model,
     load_rng_state,
     move_module,
     move_optimizer_state,
@@ -45,7 +46,9 @@ from verl_core.engine import (
 )
 from verl_core.errors import ConfigError
 from verl_fsdp.config import FSDPConfig
+from verl_fsdp.loading import full_state, load_from_rank0
 from verl_fsdp.sharding import (
+    check_shard_size,
     discard_unreduced_gradients,
     dp_mesh,
     fsdp_units,
@@ -79,29 +82,53 @@ class FSDPEngine(HFEngine):
 
     # -- layout ----------------------------------------------------------------------------------
 
+    def load_model(self) -> torch.nn.Module:
+        """Under ``load_on_rank0`` only DP rank 0 reads the weights; the others build the model on
+        the meta device and receive their shards in ``wrap_model``."""
+        if self._receives_weights and self.dp_rank != 0:
+            return load_hf_model(
+                self.config.model,
+                self.role,
+                where=f"{self.config_path}.model",
+                packing=self.config.micro_batch.packing,
+                on_meta=True,
+            )
+        return super().load_model()
+
     def wrap_model(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.dp_group is None:
             self._refuse_options_that_need_fsdp()
+        check_shard_size(self.options.shard_size, self.dp_size, self._options_path)
         if not self.sharded:
             return module.to(self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # FSDP gathers on the current CUDA device
-        # Every rank loaded the real weights on the CPU: identical by construction, buffers included.
-        return shard_model(
-            module, self.options, dp_mesh(self.dp_group, self.device), where=self._options_path
-        )
+        mesh = dp_mesh(self.dp_group, self.device, self.options.shard_size, where=self._options_path)
+        if not self._receives_weights:
+            # Every rank loaded the real weights on the CPU: identical by construction, buffers included.
+            return shard_model(module, self.options, mesh, where=self._options_path)
+        state = full_state(module) if self.dp_rank == 0 else None
+        model = shard_model(module, self.options, mesh, where=self._options_path)
+        load_from_rank0(model, state, self.dp_group, self.device, shards_on_cpu=self.options.cpu_offload)
+        return model
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally: FSDP reduce-scatters them once, in the step's last backward."""
+        """Accumulate gradients locally: FSDP reduce-scatters them once, in the step's last backward.
+        Under ``keep_params_gathered`` the units keep their parameters gathered too, until then."""
         if not self.sharded:
             yield
             return
+        keep_gathered = self.options.keep_params_gathered
         self.model.set_requires_gradient_sync(False)
+        if keep_gathered:
+            self.model.set_reshard_after_backward(False)
         try:
             yield
         finally:
             self.model.set_requires_gradient_sync(True)
+            if keep_gathered:
+                self.model.set_reshard_after_backward(True)
 
     def move_model(self, device: torch.device, parameters: bool, gradients: bool) -> None:
         """Sharded parameters move through ``module.to`` (FSDP re-registers its shards there), which
@@ -140,10 +167,12 @@ class FSDPEngine(HFEngine):
             if self.sharded:  # the engine stays usable: the failed step is as if it never ran
                 self.model.reset_iter_state()
                 discard_unreduced_gradients(self.model)
+                self._reshard()
             raise
         if forward_only:
             # Backward would reshard; without one, units that keep their gathered parameters after
-            # forward (the root) would leave them registered in place of the shards.
+            # forward (the root; every unit under keep_params_gathered) would leave them registered
+            # in place of the shards.
             self._reshard()
         return result
 
@@ -194,6 +223,11 @@ class FSDPEngine(HFEngine):
         return info.global_step
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    @property
+    def _receives_weights(self) -> bool:
+        """Whether the ranks but the first get their weights from rank 0 (``load_on_rank0``)."""
+        return self.options.load_on_rank0 and self.sharded
 
     @property
     def _options_path(self) -> str:

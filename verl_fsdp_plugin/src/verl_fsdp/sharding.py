@@ -2,9 +2,10 @@
 
 ``fully_shard`` is applied bottom-up: first every module of a ``shard_modules`` class (by default the
 model's decoder layers, from its ``_no_split_modules``), then the root, which takes what is left
-(embeddings, final norm, output head). Parameters stay real tensors throughout: the model is loaded
-on the CPU before sharding, so non-persistent buffers such as the rotary ``inv_freq`` are never
-rebuilt from the meta device (which silently corrupts them).
+(embeddings, final norm, output head). The mesh has one dimension (FSDP), or two with
+``shard_size`` (HSDP: sharded within groups, replicated across them). Parameters are real tensors
+when sharded (the model was loaded on the CPU) unless ``load_on_rank0`` built them on the meta
+device, in which case ``verl_fsdp.loading`` fills every parameter and buffer from rank 0.
 """
 
 from __future__ import annotations
@@ -28,9 +29,37 @@ from verl_fsdp.config import FSDPConfig
 OPTIONS_PATH = "engine.fsdp"
 
 
-def dp_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
-    """A one-dimensional mesh over the data-parallel ``group`` on ``device``'s type."""
-    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+def dp_mesh(
+    group: dist.ProcessGroup, device: torch.device, shard_size: int | None = None, where: str = OPTIONS_PATH
+) -> DeviceMesh:
+    """The mesh FSDP shards over: one dimension over the data-parallel ``group`` on ``device``'s type,
+    or, with ``shard_size`` (HSDP), two: ``("replicate", "shard")``, consecutive ranks sharing shards.
+
+    The 2-D mesh creates its process groups with every rank of the job (``group`` must be the world,
+    as it is for a purely data-parallel engine).
+    """
+    size = group.size()
+    check_shard_size(shard_size, size, where)
+    if shard_size is None or shard_size == size:
+        return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+    ranks = torch.tensor(dist.get_process_group_ranks(group)).view(size // shard_size, shard_size)
+    return DeviceMesh(device.type, ranks, mesh_dim_names=("replicate", "shard"))
+
+
+def check_shard_size(shard_size: int | None, dp_size: int, where: str = OPTIONS_PATH) -> None:
+    """``shard_size`` must split the ``dp_size`` ranks into equal groups."""
+    if shard_size is None or dp_size % shard_size == 0:
+        return
+    divisors = [n for n in range(1, dp_size + 1) if dp_size % n == 0]
+    raise ConfigError(
+        [
+            (
+                f"{where}.shard_size",
+                f"{shard_size} does not divide the {dp_size} data-parallel ranks into equal groups: use one "
+                f"of {divisors}, or leave it unset to shard across all ranks",
+            )
+        ]
+    )
 
 
 def shard_model(
@@ -47,8 +76,10 @@ def shard_model(
         "mp_policy": mixed_precision(options),
         "offload_policy": offload_policy(options, mesh.device_type),
     }
+    # Parameters kept gathered for the whole step are not freed between a unit's forward and backward.
+    reshard_after_forward = options.reshard_after_forward and not options.keep_params_gathered
     for unit in shard_units(model, options.shard_modules, where):
-        fully_shard(unit, reshard_after_forward=options.reshard_after_forward, **common)
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **common)
     # The root's parameters (the output head) are needed again as soon as backward starts.
     return fully_shard(model, reshard_after_forward=False, **common)
 

@@ -180,6 +180,29 @@ class CrossingPackingEngine(DDPEngine):
             hf.pack_sequences = original
 
 
+class LastChunkDroppingEngine(DDPEngine):
+    """Computes log-probs chunk by chunk but forgets the tokens after the last whole chunk (zeros)."""
+
+    def forward_backward_batch(self, batch, loss_fn, forward_only):
+        from verl_core.engine import hf
+
+        original = hf.chunked_log_probs_and_entropy
+
+        def dropping(hidden, weight, bias, labels, temperature, compute_entropy, chunk_size):
+            log_probs, entropy = original(
+                hidden, weight, bias, labels, temperature, compute_entropy, chunk_size
+            )
+            kept = labels.numel() // chunk_size * chunk_size
+            keep = (torch.arange(labels.numel()) < kept).view(labels.shape)
+            return log_probs * keep, None if entropy is None else entropy * keep
+
+        hf.chunked_log_probs_and_entropy = dropping
+        try:
+            return super().forward_backward_batch(batch, loss_fn, forward_only)
+        finally:
+            hf.chunked_log_probs_and_entropy = original
+
+
 class HangingEngine(DDPEngine):
     """Never finishes initialising (a rendezvous that never completes)."""
 
@@ -197,6 +220,7 @@ BROKEN_ENGINES = {
     "ddp-lazy-offload": LazyOffloadEngine,
     "ddp-unsynced-export": UnsyncedExportEngine,
     "ddp-crossing-packing": CrossingPackingEngine,
+    "ddp-last-chunk-dropping": LastChunkDroppingEngine,
     "ddp-hanging": HangingEngine,
 }
 
@@ -301,6 +325,16 @@ def test_attention_across_packed_sequences_is_caught_by_the_packing_check() -> N
     assert report["log_probs"].passed, report.summary()  # padded micro-batches are fine
     failing = failing_quantities(report, "packing")
     assert "packed: log_probs" in failing and "packed: loss" in failing, report.summary()
+
+
+@pytest.mark.distributed
+def test_a_chunked_log_prob_that_drops_the_last_partial_chunk_is_caught_by_the_chunks_check() -> None:
+    report = run_broken("ddp-last-chunk-dropping", 1, ("logits_chunks", "log_probs"))
+    assert report["log_probs"].passed, report.summary()  # the default chunk holds the kit's micro-batches
+    failing = failing_quantities(report, "logits_chunks")
+    for layout in ("padded", "packed"):
+        prefix = f"{layout}, logits_chunk_size=3: "
+        assert prefix + "log_probs" in failing and prefix + "loss" in failing, report.summary()
 
 
 @pytest.mark.distributed

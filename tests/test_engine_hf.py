@@ -48,13 +48,14 @@ def unpadded_logits(model, sample) -> torch.Tensor:
     return logits[prompt_length - 1 : prompt_length + len(sample.response) - 1]
 
 
-def test_lm_log_probs_and_entropy_match_unpadded_reference(dirs, samples) -> None:
+@pytest.mark.parametrize("logits_chunk_size", [None, 5], ids=["whole", "chunks of 5"])
+def test_lm_log_probs_and_entropy_match_unpadded_reference(dirs, samples, logits_chunk_size) -> None:
     model = load_hf_model(ModelConfig(path=dirs.lm), role="lm").eval()
     batch = collate(samples)
     batch.set_non_tensor(TEMPERATURE, 0.7)
     batch.set_non_tensor(COMPUTE_ENTROPY, True)
     with torch.no_grad():
-        output = forward_micro_batch(model, batch, role="lm")
+        output = forward_micro_batch(model, batch, role="lm", logits_chunk_size=logits_chunk_size)
     assert set(output) == {LOG_PROBS, ENTROPY}
     assert output[LOG_PROBS].shape == output[ENTROPY].shape == batch["responses"].shape
     for row, sample in enumerate(samples):
@@ -114,11 +115,12 @@ def test_value_model_keeps_a_saved_head(dirs) -> None:
     assert torch.equal(saved.score.weight, loaded.score.weight)
 
 
-def test_model_options_dtype_and_activation_checkpointing(dirs, samples) -> None:
+@pytest.mark.parametrize("logits_chunk_size", [None, 5], ids=["whole", "chunks of 5"])
+def test_model_options_dtype_and_activation_checkpointing(dirs, samples, logits_chunk_size) -> None:
     model = load_hf_model(ModelConfig(path=dirs.lm, dtype="bfloat16", gradient_checkpointing=True), role="lm")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.training and model.is_activation_checkpointing
-    output = forward_micro_batch(model, collate(samples[:2]), role="lm")
+    output = forward_micro_batch(model, collate(samples[:2]), role="lm", logits_chunk_size=logits_chunk_size)
     assert output[LOG_PROBS].dtype == torch.float32  # upcast before the softmax
     output[LOG_PROBS].sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -75,6 +75,12 @@ class MicroBatchConfig:
     #: shared by several samples computed once, attention kept within each sequence (engines built
     #: on ``HFEngine``; the conformance kit's ``packing`` check holds a backend to the padded results).
     packing: bool = True
+    #: Compute the log-probs and entropy of a micro-batch predicting more tokens than this from the
+    #: LM head a chunk of this many tokens at a time, so that its ``[tokens, vocabulary]`` logits never
+    #: exist whole (the usual out-of-memory cause with large vocabularies); same values and gradients.
+    #: ``null``: always whole. Models whose head is not a plain linear layer always run whole
+    #: (``verl_core.engine.hf.PLAIN_HEAD_MODEL_TYPES``).
+    logits_chunk_size: int | None = attrs.field(default=1024, validator=positive)
 
 
 @attrs.define

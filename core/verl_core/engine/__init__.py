@@ -35,6 +35,7 @@ _EXPORTS = {
     "log_probs_from_logits": "verl_core.engine.logprob",
     "entropy_from_logits": "verl_core.engine.logprob",
     "log_probs_and_entropy": "verl_core.engine.logprob",
+    "chunked_log_probs_and_entropy": "verl_core.engine.logprob",
     # optimiser
     "TorchOptimizerSteps": "verl_core.engine.optim",
     "build_optimizer": "verl_core.engine.optim",

@@ -123,7 +123,11 @@ class HFEngine(TorchOptimizerSteps, BaseEngine):
         return run_micro_batches(
             batch,
             forward=lambda micro_batch: forward_micro_batch(
-                self.model, micro_batch, self.role, packing=self.config.micro_batch.packing
+                self.model,
+                micro_batch,
+                self.role,
+                packing=self.config.micro_batch.packing,
+                logits_chunk_size=self.config.micro_batch.logits_chunk_size,
             ),
             loss_fn=loss_fn,
             forward_only=forward_only,

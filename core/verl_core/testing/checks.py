@@ -67,6 +67,9 @@ BASE_OPTIM = OptimConfig(lr=1e-3, betas=(0.9, 0.999), eps=1e-4, weight_decay=0.1
 #: Two padded sequences per micro-batch: the base engine already accumulates gradients. The
 #: ``packing`` check runs the padding-free path (the default of ``micro_batch.packing``).
 BASE_MICRO_BATCH = MicroBatchConfig(micro_batch_size=2, packing=False)
+#: Tokens per chunk of the ``logits_chunks`` check: every micro-batch of the kit spans several chunks,
+#: and most end in a partial one.
+LOGITS_CHUNK_SIZE = 3
 #: A schedule whose rate changes at every step (linear decay without warmup: 1e-3, 0.84e-3, 0.68e-3,
 #: 0.52e-3, ...), so a scheduler that is not stepped, stepped on another optimiser, or not restored
 #: from a checkpoint gives another rate within the steps the checks compare.
@@ -355,16 +358,7 @@ def micro_batch_splits(ctx: RankContext) -> dict[str, MicroBatchConfig]:
 def check_micro_batch_invariance(ctx: RankContext) -> list[Comparison]:
     comparisons = []
     for label, split in micro_batch_splits(ctx).items():
-        engine = ctx.engine(micro_batch=split)
-        outputs = infer(engine, ctx.local_batch("A"))
-        if engine.is_output_rank:
-            comparisons += _compare_outputs(
-                ctx, "micro_batch_invariance", outputs, ("log_probs", "entropy"), prefix=f"{label}: "
-            )
-        metrics = train_step(engine, ctx.local_batch("A"))
-        comparisons += _compare_first_step(
-            ctx, "micro_batch_invariance", metrics, exported(engine), f"{label}: "
-        )
+        comparisons += _outputs_and_first_step(ctx, "micro_batch_invariance", split, f"{label}: ")
     return comparisons
 
 
@@ -374,13 +368,36 @@ def check_packing(ctx: RankContext) -> list[Comparison]:
     packed sequence into the next shows as a difference). One micro-batch holds the rank's whole
     share, so that the samples of a prompt group meet in it (an engine may pack their prompt once)."""
     split = attrs.evolve(BASE_MICRO_BATCH, micro_batch_size=BATCH_SIZE, packing=True)
+    return _outputs_and_first_step(ctx, "packing", split, "packed: ")
+
+
+def check_logits_chunks(ctx: RankContext) -> list[Comparison]:
+    """Log-probs from the LM head ``LOGITS_CHUNK_SIZE`` tokens at a time (``micro_batch.logits_chunk_size``)
+    change nothing, padded and packed: the same outputs and first step (whose gradients flow back
+    through the recomputed chunks) as the reference, which computes all the logits at once. The kit's
+    micro-batches of two sequences predict up to 16 tokens, far below the default chunk, so it is set
+    small enough for several chunks and a partial last one."""
+    comparisons = []
+    for label, packing in (("padded", False), ("packed", True)):
+        split = attrs.evolve(BASE_MICRO_BATCH, packing=packing, logits_chunk_size=LOGITS_CHUNK_SIZE)
+        comparisons += _outputs_and_first_step(
+            ctx, "logits_chunks", split, f"{label}, logits_chunk_size={LOGITS_CHUNK_SIZE}: "
+        )
+    return comparisons
+
+
+def _outputs_and_first_step(
+    ctx: RankContext, check: str, split: MicroBatchConfig, prefix: str
+) -> list[Comparison]:
+    """A fresh engine with micro-batching ``split``: its log-probs and entropy on batch A, then its
+    first step on A, against the reference."""
     engine = ctx.engine(micro_batch=split)
     outputs = infer(engine, ctx.local_batch("A"))
     comparisons = []
     if engine.is_output_rank:
-        comparisons += _compare_outputs(ctx, "packing", outputs, ("log_probs", "entropy"), prefix="packed: ")
+        comparisons += _compare_outputs(ctx, check, outputs, ("log_probs", "entropy"), prefix=prefix)
     metrics = train_step(engine, ctx.local_batch("A"))
-    return comparisons + _compare_first_step(ctx, "packing", metrics, exported(engine), "packed: ")
+    return comparisons + _compare_first_step(ctx, check, metrics, exported(engine), prefix)
 
 
 def check_dp_invariance(ctx: RankContext) -> list[Comparison]:
@@ -735,6 +752,12 @@ CHECKS: dict[str, Check] = {
             "packing",
             check_packing,
             "padding-free micro-batches (micro_batch.packing) give the reference's outputs and first step",
+        ),
+        Check(
+            "logits_chunks",
+            check_logits_chunks,
+            "log-probs from the LM head 3 tokens at a time (micro_batch.logits_chunk_size), padded and packed, "
+            "give the reference's outputs and first step",
         ),
         Check(
             "dp_invariance",

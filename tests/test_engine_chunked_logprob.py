@@ -1,0 +1,306 @@
+"""Log-probs and entropy a chunk of tokens at a time equal the whole computation, gradients included,
+and the whole ``[tokens, vocabulary]`` logits never exist.
+
+The models run in float64: chunked and whole then differ by rounding alone (~1e-15; in float32 the
+matrix products of different row counts round differently, ~1e-6), so ``1e-6`` is a tolerance that
+only a wrong result exceeds. Every comparison is shown to fail on a deliberately broken variant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, CohereConfig
+
+from verl_core.config.engine import MicroBatchConfig
+from verl_core.config.validators import InvalidValue
+from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE
+from verl_core.engine import hf as hf_module
+from verl_core.engine.hf import ENTROPY, LOG_PROBS, forward_micro_batch
+from verl_core.engine.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
+from verl_core.engine.varlen import attn_implementation_for
+from verl_core.testing.tiny import VOCAB_SIZE, TinyModelSpec, collate, make_samples
+
+torch.set_num_threads(1)
+
+TOLERANCE = 1e-6
+TEMPERATURE_VALUE = 0.7
+
+
+def largest_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
+    assert first.keys() == second.keys()
+    return max(float((first[name] - second[name]).abs().max()) for name in first)
+
+
+# -- the formula on its own -----------------------------------------------------------------------
+
+
+def drops_the_last_partial_chunk(hidden, weight, bias, labels, temperature, compute_entropy, chunk_size):
+    """A broken chunker: the tokens after the last whole chunk get zeros."""
+    whole = labels.shape[0] // chunk_size * chunk_size
+    log_probs, entropy = chunked_log_probs_and_entropy(
+        hidden[:whole], weight, bias, labels[:whole], temperature, compute_entropy, chunk_size
+    )
+    padding = labels.new_zeros(labels.shape[0] - whole, dtype=log_probs.dtype)
+    return torch.cat([log_probs, padding]), torch.cat([entropy, padding])
+
+
+def formula_outputs(chunker, tokens, hidden_size, vocab, chunk_size, with_bias, seed):
+    """Log-probs, entropy and the gradients of a weighted sum of both w.r.t. hidden, weight, bias."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, hidden_size, generator=generator, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, generator=generator, dtype=torch.float64, requires_grad=True)
+    bias = (
+        torch.randn(vocab, generator=generator, dtype=torch.float64, requires_grad=True)
+        if with_bias
+        else None
+    )
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+    log_probs, entropy = chunker(hidden, weight, bias, labels, TEMPERATURE_VALUE, True, chunk_size)
+    scales = torch.randn(2, tokens, generator=generator, dtype=torch.float64)
+    leaves = [hidden, weight] + ([bias] if with_bias else [])
+    grads = torch.autograd.grad((scales[0] * log_probs + scales[1] * entropy).sum(), leaves)
+    return {"log_probs": log_probs.detach(), "entropy": entropy.detach()} | {
+        f"grad{i}": g for i, g in enumerate(grads)
+    }
+
+
+def whole(hidden, weight, bias, labels, temperature, compute_entropy, chunk_size):
+    return log_probs_and_entropy(F.linear(hidden, weight, bias), labels, temperature, compute_entropy)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    tokens=st.integers(min_value=1, max_value=20),
+    chunk_size=st.integers(min_value=1, max_value=24),
+    vocab=st.integers(min_value=2, max_value=30),
+    with_bias=st.booleans(),
+    seed=st.integers(min_value=0, max_value=2**16),
+)
+def test_chunks_of_any_size_give_the_whole_formula_and_its_gradients(
+    tokens, chunk_size, vocab, with_bias, seed
+) -> None:
+    args = (tokens, 6, vocab, chunk_size, with_bias, seed)
+    expected = formula_outputs(whole, *args)
+    assert largest_difference(formula_outputs(chunked_log_probs_and_entropy, *args), expected) <= TOLERANCE
+
+
+def test_the_formula_comparison_catches_a_chunker_that_drops_the_last_partial_chunk() -> None:
+    args = (10, 6, 17, 3, True, 0)
+    expected = formula_outputs(whole, *args)
+    assert largest_difference(formula_outputs(drops_the_last_partial_chunk, *args), expected) > 1e-2
+
+
+def test_leading_dimensions_are_kept_and_entropy_is_optional() -> None:
+    hidden, weight = torch.randn(2, 5, 4), torch.randn(9, 4)
+    labels = torch.randint(0, 9, (2, 5))
+    log_probs, entropy = chunked_log_probs_and_entropy(hidden, weight, None, labels, chunk_size=3)
+    assert entropy is None and log_probs.shape == (2, 5)
+    with pytest.raises(ValueError, match=r"chunk_size=0.*>= 1"):
+        chunked_log_probs_and_entropy(hidden, weight, None, labels, chunk_size=0)
+
+
+# -- through the models, packed and padded ---------------------------------------------------------
+
+MODEL_VARIANTS = [
+    pytest.param(arch, tied, id=f"{arch}-{'tied' if tied else 'untied'}")
+    for arch in ("qwen2", "llama")
+    for tied in (False, True)
+]
+#: One token per chunk, a size that divides no response count, one chunk for everything.
+CHUNK_SIZES = (1, 3, 10_000)
+
+
+def tiny_model(config, packing: bool) -> torch.nn.Module:
+    """A seeded float64 causal LM from ``config``, attention as ``load_hf_model`` picks it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float64, attn_implementation=attn_implementation_for("sdpa", packing)
+        )
+    return model.train()
+
+
+def model_config(arch: str, tied: bool):
+    config = TinyModelSpec(arch=arch).hf_config()
+    config.tie_word_embeddings = tied
+    return config
+
+
+def micro_batch(samples=None):
+    batch = collate(make_samples(seed=5, share_prompts=True)[:6] if samples is None else samples)
+    batch.set_non_tensor(TEMPERATURE, TEMPERATURE_VALUE)
+    batch.set_non_tensor(COMPUTE_ENTROPY, True)
+    return batch
+
+
+def model_outputs(model, batch, packing: bool, chunk_size: int | None) -> dict[str, torch.Tensor]:
+    """Log-probs, entropy and the gradient of a weighted sum of both w.r.t. every parameter."""
+    model.zero_grad()
+    outputs = forward_micro_batch(model, batch, "lm", packing=packing, logits_chunk_size=chunk_size)
+    scales = torch.linspace(-1.0, 1.0, outputs[LOG_PROBS].numel(), dtype=torch.float64).view_as(
+        outputs[LOG_PROBS]
+    )
+    (scales * outputs[LOG_PROBS] + scales.flip(0) * outputs[ENTROPY]).sum().backward()
+    grads = {
+        name: torch.zeros_like(param) if param.grad is None else param.grad.clone()
+        for name, param in model.named_parameters()
+    }
+    return {LOG_PROBS: outputs[LOG_PROBS].detach(), ENTROPY: outputs[ENTROPY].detach()} | grads
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize(("arch", "tied"), MODEL_VARIANTS)
+def test_chunked_model_outputs_and_gradients_equal_the_whole(arch, tied, packing) -> None:
+    model = tiny_model(model_config(arch, tied), packing)
+    assert hf_module._plain_head_model(model) is model
+    batch = micro_batch()
+    expected = model_outputs(model, batch, packing, None)
+    assert all(expected[name].abs().sum() > 0 for name, _ in model.named_parameters()), (
+        "a parameter got no gradient"
+    )
+    for chunk_size in CHUNK_SIZES:
+        difference = largest_difference(model_outputs(model, batch, packing, chunk_size), expected)
+        assert difference <= TOLERANCE, f"logits_chunk_size={chunk_size}: {difference}"
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    chunk_size=st.integers(min_value=1, max_value=50),
+    rows=st.lists(st.integers(min_value=0, max_value=11), min_size=1, max_size=5, unique=True),
+    packing=st.booleans(),
+)
+def test_any_chunk_size_and_batch_gives_the_whole(qwen2_models, chunk_size, rows, packing) -> None:
+    samples = make_samples(seed=7)
+    batch = micro_batch([samples[row] for row in rows])
+    model = qwen2_models[packing]
+    expected = model_outputs(model, batch, packing, None)
+    assert largest_difference(model_outputs(model, batch, packing, chunk_size), expected) <= TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def qwen2_models():
+    return {packing: tiny_model(model_config("qwen2", False), packing) for packing in (False, True)}
+
+
+@contextlib.contextmanager
+def pre_norm_hidden_state(base_model):
+    """A broken variant of ``_last_hidden_state``: the final norm's input, not its output."""
+    caught = []
+    handle = base_model.norm.register_forward_pre_hook(lambda _module, args: caught.append(args[0]))
+    try:
+        yield caught
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_the_model_comparison_catches_the_pre_norm_hidden_state(qwen2_models, monkeypatch, packing) -> None:
+    model, batch = qwen2_models[packing], micro_batch()
+    expected = model_outputs(model, batch, packing, None)
+    monkeypatch.setattr(hf_module, "_last_hidden_state", pre_norm_hidden_state)
+    assert largest_difference(model_outputs(model, batch, packing, 3), expected) > 1e-2
+
+
+# -- models whose logits are not the plain head's --------------------------------------------------
+
+
+def cohere_model():
+    """Cohere multiplies the head's logits by ``logit_scale``: not ``lm_head(hidden)``."""
+    spec = TinyModelSpec()
+    config = CohereConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        logit_scale=0.25,
+        pad_token_id=0,
+    )
+    return tiny_model(config, packing=False)
+
+
+def test_a_model_that_scales_its_logits_runs_whole_and_keeps_its_values(monkeypatch) -> None:
+    model, batch = cohere_model(), micro_batch()
+    assert hf_module._plain_head_model(model) is None
+    expected = model_outputs(model, batch, False, None)
+    assert largest_difference(model_outputs(model, batch, False, 3), expected) <= TOLERANCE
+    # What the allow-list prevents: chunking it from the head's weight alone gives other values.
+    monkeypatch.setattr(hf_module, "PLAIN_HEAD_MODEL_TYPES", hf_module.PLAIN_HEAD_MODEL_TYPES | {"cohere"})
+    assert hf_module._plain_head_model(model) is model
+    assert largest_difference(model_outputs(model, batch, False, 3), expected) > 1e-2
+
+
+def test_a_subclass_that_overrides_forward_runs_whole() -> None:
+    model = tiny_model(model_config("qwen2", False), packing=False)
+
+    class Custom(type(model)):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    model.__class__ = Custom
+    assert hf_module._plain_head_model(model) is None
+
+
+def test_wrappers_are_looked_through() -> None:
+    model = tiny_model(model_config("llama", False), packing=False)
+    wrapper = torch.nn.Module()
+    wrapper.module = model
+    assert hf_module.unwrap_hf_model(wrapper) is model
+    assert hf_module.unwrap_hf_model(torch.nn.Linear(2, 2)) is None
+
+
+# -- memory: the whole logits never exist ------------------------------------------------------------
+
+
+class LargestVocabularyTensor(TorchDispatchMode):
+    """Records the most token rows any tensor ``[..., tokens, vocab]`` had, forward and backward.
+
+    ``[hidden, vocab]`` tensors are the head's weight, transposed, and its gradient: not logits.
+    """
+
+    def __init__(self, hidden: int, vocab: int):
+        super().__init__()
+        self.weight_shape = (hidden, vocab)
+        self.rows = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        vocab = self.weight_shape[1]
+        for tensor in output if isinstance(output, (tuple, list)) else (output,):
+            if not isinstance(tensor, torch.Tensor) or not tensor.dim() or tensor.shape[-1] != vocab:
+                continue
+            if tuple(tensor.shape[-2:]) != self.weight_shape:
+                self.rows = max(self.rows, tensor.numel() // vocab)
+        return output
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("chunk_size", [None, 4], ids=["whole", "chunks of 4"])
+def test_no_tensor_holds_the_logits_of_more_than_one_chunk(qwen2_models, packing, chunk_size) -> None:
+    model, batch = qwen2_models[packing], micro_batch()
+    predicted = int(batch["attention_mask"][:, -batch["responses"].shape[-1] :].sum())
+    spy = LargestVocabularyTensor(TinyModelSpec().hidden_size, VOCAB_SIZE)
+    with spy:
+        model_outputs(model, batch, packing, chunk_size)
+    if chunk_size is None:  # the spy sees the whole logits when they exist
+        assert spy.rows >= predicted
+    else:
+        assert spy.rows == chunk_size, f"a tensor held {spy.rows} tokens' logits"
+
+
+# -- the option -------------------------------------------------------------------------------------
+
+
+def test_the_option_is_positive_or_null() -> None:
+    assert MicroBatchConfig().logits_chunk_size == 1024
+    assert MicroBatchConfig(logits_chunk_size=None).logits_chunk_size is None
+    with pytest.raises(InvalidValue, match=r"logits_chunk_size: must be > 0, got 0"):
+        MicroBatchConfig(logits_chunk_size=0)

@@ -178,6 +178,7 @@ def main() -> None:
     quiet_transformers()
     rows = [(backend, {}) for backend in args.backends] + ([("fsdp", custom)] if custom else [])
     results: dict[str, dict[str, Any]] = {}
+    width = max(len(options_label(backend, options)) for backend, options in rows) + 2
     with tempfile.TemporaryDirectory() as scratch:
         path, parameters = save_qwen2(scratch, **MODEL)
         print(
@@ -185,7 +186,7 @@ def main() -> None:
             f"{PROMPT_LENGTH + RESPONSE_LENGTH} tokens; MiB per rank (largest over the ranks)"
         )
         print(
-            f"{'engine':<28} {'ranks':>5} {'params':>8} {'grads':>8} {'AdamW':>8} {'persistent':>10} "
+            f"{'engine':<{width}} {'ranks':>5} {'params':>8} {'grads':>8} {'AdamW':>8} {'persistent':>10} "
             f"{'ratio':>6} {'RSS imports':>11} {'peak init':>9} {'peak step':>9} {'RSS after':>9} "
             f"{'trimmed':>7} {'wall':>6}"
         )
@@ -196,12 +197,13 @@ def main() -> None:
                 result = run(path, backend, options, world_size, Path(scratch))
                 results[label][str(world_size)] = result
                 worst = result["max"]
-                base = results[label].get("1", result)["max"]["persistent"]
-                result["persistent_ratio"] = worst["persistent"] / base
+                base = results[label].get("1")  # without a 1-rank run there is no ratio
+                result["persistent_ratio"] = worst["persistent"] / base["max"]["persistent"] if base else None
+                ratio = "-" if base is None else f"{result['persistent_ratio']:.3f}"
                 print(
-                    f"{label:<28} {world_size:>5} "
+                    f"{label:<{width}} {world_size:>5} "
                     + " ".join(f"{worst[key] / MIB:>8.1f}" for key in PERSISTENT)
-                    + f" {worst['persistent'] / MIB:>10.1f} {result['persistent_ratio']:>6.3f} "
+                    + f" {worst['persistent'] / MIB:>10.1f} {ratio:>6} "
                     + f"{worst['rss_imports'] / MIB:>11.0f} {worst['peak_rss_initialize'] / MIB:>9.0f} "
                     + f"{worst['peak_rss_step'] / MIB:>9.0f} {worst['rss_after_step'] / MIB:>9.0f} "
                     + f"{worst['rss_after_trim'] / MIB:>7.0f} "

@@ -148,7 +148,8 @@ def install_check(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Run the benchmark scripts in benchmarks/ (all, or those named after ``--``: ``-- algos``)."""
     _install_editable(session)
-    scripts = {script.stem: script for script in sorted(REPO.glob("benchmarks/*.py"))}
+    # benchmarks/_common.py and the like are the scripts' helpers, not benchmarks.
+    scripts = {script.stem: script for script in sorted(REPO.glob("benchmarks/[!_]*.py"))}
     unknown = sorted(set(session.posargs) - set(scripts))
     if not scripts or unknown:
         session.error(f"no benchmark named {unknown} in benchmarks/; there are: {sorted(scripts)}")

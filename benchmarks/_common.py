@@ -150,6 +150,7 @@ def build_engine(
     micro_batch_size: int = 1,
     packing: bool = False,
     lr: float = 1e-4,
+    compile_layers: bool = False,
 ):
     """An initialised ``backend`` engine (role ``lm``, fp32, CPU, weight decay 0.01, clipping at 1)
     found through the installed plugins, with ``options`` structured into its options class."""
@@ -158,7 +159,7 @@ def build_engine(
 
     config = EngineConfig(
         backend=backend,
-        model=ModelConfig(path=model_path, dtype="float32"),
+        model=ModelConfig(path=model_path, dtype="float32", compile_layers=compile_layers),
         options=structure_options(backend, options or {}),
         optim=OptimConfig(lr=lr),
         micro_batch=MicroBatchConfig(micro_batch_size=micro_batch_size, packing=packing),

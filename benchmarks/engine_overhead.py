@@ -35,7 +35,12 @@ engine / plain: the median over rounds of the two sides' ratio within a round. A
 loop is timed like an engine (``plain (A/A)``): its ratio is this machine's noise floor for the
 run. One torch thread per process (``--threads``). Run:
 
-    python benchmarks/engine_overhead.py [--ranks none 1 2] [--rounds 13] [--fsdp KEY=VALUE ...] [--json]
+    python benchmarks/engine_overhead.py [--ranks none 1 2] [--rounds 13] [--fsdp KEY=VALUE ...]
+        [--compile-layers] [--json]
+
+``--compile-layers`` adds a ``ddp compiled`` row: the ddp engine with ``model.compile_layers`` (its
+decoder layers through ``torch.compile``, compiled during the untimed first steps) against the same
+eager plain loop, so its ratio is what compiling gains.
 
 Goals (issue 7; reported, not asserted): engine / plain at most 1.02x for ddp and for fsdp on one
 rank, and fsdp at 2 ranks at most 1.25x of plain DDP.
@@ -166,11 +171,17 @@ class EngineSide:
         return self.engine.infer_batch(batch).outputs["log_probs"]
 
 
-def engine_rows(case: str, custom: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """(backend, options) of every engine row of ``case``."""
-    rows = [("ddp", {}), ("fsdp", {})] + [("fsdp", options) for options in VARIANTS[case]]
+def engine_rows(
+    case: str, custom: dict[str, Any], compile_layers: bool
+) -> list[tuple[str, dict[str, Any], bool]]:
+    """(backend, options, compile_layers) of every engine row of ``case``."""
+    rows = [("ddp", {}, False), ("fsdp", {}, False)] + [
+        ("fsdp", options, False) for options in VARIANTS[case]
+    ]
     if custom and case != "none":
-        rows.append(("fsdp", custom))
+        rows.append(("fsdp", custom, False))
+    if compile_layers:
+        rows.append(("ddp", {}, True))
     return rows
 
 
@@ -190,9 +201,12 @@ def measure(settings: dict[str, Any], case: str, world_size: int, rank: int) -> 
     mbs, path = settings["micro_batch_size"], settings["model_path"]
     # A second plain loop, timed like an engine: its ratio to the first is the noise floor.
     sides: dict[str, Any] = {"plain": PlainLoop(path, world_size, mbs), AA: PlainLoop(path, world_size, mbs)}
-    for backend, options in engine_rows(case, settings["fsdp"]):
-        engine = common.build_engine(backend, path, options, micro_batch_size=mbs, packing=False, lr=LR)
-        sides[common.options_label(backend, options)] = EngineSide(engine)
+    for backend, options, compile_layers in engine_rows(case, settings["fsdp"], settings["compile_layers"]):
+        engine = common.build_engine(
+            backend, path, options, micro_batch_size=mbs, packing=False, lr=LR, compile_layers=compile_layers
+        )
+        label = common.options_label(backend, options)
+        sides[f"{label} compiled" if compile_layers else label] = EngineSide(engine)
 
     # Equal results first: initial weights are identical everywhere, so compare inference before
     # the first step changes them, then the first step's loss and gradient norm.
@@ -308,6 +322,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=13)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     common.add_fsdp_argument(parser)
+    parser.add_argument(
+        "--compile-layers",
+        action="store_true",
+        help="one more row: the ddp engine with model.compile_layers (the plain side stays eager)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
     custom = common.fsdp_options(parser, args.fsdp)
@@ -322,6 +341,7 @@ def main() -> None:
             "rounds": args.rounds,
             "threads": args.threads,
             "fsdp": custom,
+            "compile_layers": args.compile_layers,
         }
         print(
             f"Qwen2 {parameters:,} parameters, {args.sequences} x {PROMPT_LENGTH + RESPONSE_LENGTH} tokens, "

@@ -41,7 +41,8 @@ def load_from_rank0(
     shards_on_cpu: bool = False,
 ) -> None:
     """Fill the sharded ``model`` on every rank of ``group`` from ``state`` (DP rank 0's
-    ``full_state``; None on the other ranks, whose ``model`` was built on the meta device).
+    ``full_state``, emptied on the way; None on the other ranks, whose ``model`` was built on the
+    meta device).
     ``device`` is where the model computes; ``shards_on_cpu`` says its shards live on the CPU
     (``cpu_offload``), buffers staying on ``device``.
 
@@ -60,8 +61,8 @@ def load_from_rank0(
             # Broadcast on the compute device: NCCL reduces device tensors only.
             if state is None:
                 full = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-            else:
-                full = state[name].to(device)
+            else:  # dropped from ``state`` once sent: rank 0 frees its full copy as the shards fill
+                full = state.pop(name).to(device)
             dist.broadcast(full, src=source, group=group)
             if isinstance(tensor, DTensor):
                 # Every rank holds the full tensor now: each cuts out its own shard, no more traffic.

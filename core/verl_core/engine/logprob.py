@@ -184,26 +184,28 @@ def _grad_logits(
     With ``z = logits / temperature``, ``p = softmax(z)``: ``d log p_label / dz = onehot - p`` and
     ``dH / dz = -p (log p + H)``, so ``dz = -p (g_lp + g_H (log p + H)) + g_lp onehot`` and
     ``dlogits = dz / temperature``. Computed in float32 (or the logits' dtype, if wider) like the
-    forward, in place: at most three ``[chunk, V]`` tensors at once.
+    forward, in five passes over the chunk (the per-token weights folded into ``[chunk, 1]`` factors),
+    in place: at most three ``[chunk, V]`` tensors at once.
     """
     dtype = logits.dtype
-    log_p = _tempered(logits, temperature)
-    del logits  # the float32 / tempered copy is all that is needed (and it may be the logits)
-    log_p = log_p.sub_(log_normaliser.unsqueeze(-1))
+    # log p = logits / T - logsumexp in one pass, which also upcasts low-precision logits.
+    log_p = torch.add(-log_normaliser.unsqueeze(-1), logits, alpha=1.0 / temperature)
+    del logits
     grad = log_p.exp()
+    scale = -1.0 / temperature  # the sign and the temperature go into [chunk, 1] weights
     if grad_entropy is None:
         del log_p
-        grad.mul_(-grad_log_probs.unsqueeze(-1))
+        grad.mul_((scale * grad_log_probs).unsqueeze(-1))
     else:
-        coefficient = log_p.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))
+        # -(g_lp + g_H (log p + H)) / T = a log p + c, with a = -g_H / T, c = -(g_lp + g_H H) / T
+        slope = (scale * grad_entropy).unsqueeze(-1)
+        offset = slope * entropy.unsqueeze(-1)
         if grad_log_probs is not None:
-            coefficient.add_(grad_log_probs.unsqueeze(-1))
-        grad.mul_(coefficient).neg_()
-        del log_p, coefficient
+            offset += (scale * grad_log_probs).unsqueeze(-1)
+        grad.mul_(log_p.mul_(slope).add_(offset))
+        del log_p
     if grad_log_probs is not None:
-        grad.scatter_add_(-1, labels.long().unsqueeze(-1), grad_log_probs.unsqueeze(-1).to(grad.dtype))
-    if temperature != 1.0:
-        grad.div_(temperature)
+        grad.scatter_add_(-1, labels.long().unsqueeze(-1), (grad_log_probs / temperature).unsqueeze(-1))
     return grad.to(dtype)
 
 

@@ -22,6 +22,7 @@ from verl_core.config.engine import MicroBatchConfig
 from verl_core.config.validators import InvalidValue
 from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE
 from verl_core.engine import hf as hf_module
+from verl_core.engine import logprob as logprob_module
 from verl_core.engine.hf import ENTROPY, LOG_PROBS, forward_micro_batch
 from verl_core.engine.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
 from verl_core.engine.varlen import attn_implementation_for
@@ -104,6 +105,144 @@ def test_leading_dimensions_are_kept_and_entropy_is_optional() -> None:
     assert entropy is None and log_probs.shape == (2, 5)
     with pytest.raises(ValueError, match=r"chunk_size=0.*>= 1"):
         chunked_log_probs_and_entropy(hidden, weight, None, labels, chunk_size=0)
+
+
+# -- the backward: closed form, one chunk at a time ---------------------------------------------
+
+
+def formula_inputs(tokens=10, hidden_size=5, vocab=13, with_bias=True, seed=0, dtype=torch.float64):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, hidden_size, generator=generator, dtype=dtype).requires_grad_()
+    weight = torch.randn(vocab, hidden_size, generator=generator, dtype=dtype).requires_grad_()
+    bias = torch.randn(vocab, generator=generator, dtype=dtype).requires_grad_() if with_bias else None
+    return hidden, weight, bias, torch.randint(0, vocab, (tokens,), generator=generator)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
+@pytest.mark.parametrize("compute_entropy", [True, False], ids=["entropy", "log-probs"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no bias"])
+def test_the_custom_backward_passes_gradcheck(temperature, compute_entropy, with_bias) -> None:
+    hidden, weight, bias, labels = formula_inputs(with_bias=with_bias)
+    leaves = (hidden, weight) + ((bias,) if with_bias else ())
+
+    def outputs(hidden, weight, bias=None):  # 10 tokens in chunks of 3: four chunks, the last partial
+        log_probs, entropy = chunked_log_probs_and_entropy(
+            hidden, weight, bias, labels, temperature, compute_entropy, 3
+        )
+        return (log_probs, entropy) if compute_entropy else log_probs
+
+    first = outputs(*leaves)
+    node = (first[0] if compute_entropy else first).grad_fn.next_functions[0][0]
+    assert type(node).__name__ == "_ChunkedHeadLogProbsBackward"
+    assert torch.autograd.gradcheck(outputs, leaves)
+
+
+def grads_of(chunker, loss_of, leaves, labels, chunk_size=3):
+    log_probs, entropy = chunker(leaves[0], leaves[1], leaves[2], labels, TEMPERATURE_VALUE, True, chunk_size)
+    wanted = [leaf for leaf in leaves if leaf is not None and leaf.requires_grad]
+    return dict(enumerate(torch.autograd.grad(loss_of(log_probs, entropy), wanted)))
+
+
+def recording_grad_logits(monkeypatch) -> list[tuple[bool, bool]]:
+    """Which of ``_grad_logits``'s two output weights each chunk's backward got (not None)."""
+    calls, original = [], logprob_module._grad_logits
+
+    def recording(*args):
+        calls.append((args[-2] is not None, args[-1] is not None))
+        return original(*args)
+
+    monkeypatch.setattr(logprob_module, "_grad_logits", recording)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("used", "loss_of"),
+    [
+        ((False, True), lambda log_probs, entropy: (entropy * torch.linspace(-1, 2, entropy.numel())).sum()),
+        (
+            (True, False),
+            lambda log_probs, entropy: (log_probs * torch.linspace(-1, 2, log_probs.numel())).sum(),
+        ),
+    ],
+    ids=["entropy only", "log-probs only"],
+)
+def test_an_output_the_loss_does_not_use_skips_its_term(monkeypatch, used, loss_of) -> None:
+    leaves = formula_inputs()
+    expected = grads_of(whole, loss_of, leaves[:3], leaves[3])
+    calls = recording_grad_logits(monkeypatch)
+    assert largest_difference(
+        grads_of(chunked_log_probs_and_entropy, loss_of, leaves[:3], leaves[3]), expected
+    ) <= (TOLERANCE)
+    assert calls == [used] * 4  # four chunks, each recomputed once, with the unused term's weight None
+
+
+def test_only_the_inputs_that_require_grad_get_one() -> None:
+    hidden, weight, bias, labels = formula_inputs()
+    weight.requires_grad_(False)
+    bias.requires_grad_(False)
+
+    def loss_of(log_probs, entropy):
+        return (log_probs + 0.3 * entropy).sum()
+
+    expected = grads_of(whole, loss_of, (hidden, weight, bias), labels)
+    assert largest_difference(
+        grads_of(chunked_log_probs_and_entropy, loss_of, (hidden, weight, bias), labels), expected
+    ) <= (TOLERANCE)
+    log_probs, _ = chunked_log_probs_and_entropy(hidden.detach(), weight, bias, labels, 0.7, True, 3)
+    assert log_probs.grad_fn is None  # nothing requires grad: the forward-only loop, no custom function
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_heads_compute_the_softmax_in_float32(dtype) -> None:
+    """Outputs in float32 (as ``_tempered`` upcasts), gradients in the inputs' dtype, as close to the
+    float64 values as the unchunked low-precision autograd is."""
+    leaves = formula_inputs(tokens=40, hidden_size=16, vocab=50, seed=3, dtype=dtype)
+    exact = tuple(None if leaf is None else leaf.detach().double().requires_grad_() for leaf in leaves[:3])
+    scales = torch.randn(2, 40, generator=torch.Generator().manual_seed(1))
+
+    def loss_of(log_probs, entropy):
+        return (scales[0] * log_probs + scales[1] * entropy).sum()
+
+    reference = grads_of(whole, loss_of, exact, leaves[3])
+    unchunked = grads_of(whole, loss_of, leaves[:3], leaves[3])
+    chunked = grads_of(chunked_log_probs_and_entropy, loss_of, leaves[:3], leaves[3], chunk_size=7)
+    log_probs, entropy = chunked_log_probs_and_entropy(*leaves[:3], leaves[3], 0.7, True, 7)
+    assert log_probs.dtype == entropy.dtype == torch.float32
+    for index, grad in chunked.items():
+        assert grad.dtype == dtype
+        scale = float(reference[index].abs().max())
+        error = float((grad.double() - reference[index]).abs().max()) / scale
+        unchunked_error = float((unchunked[index].double() - reference[index]).abs().max()) / scale
+        assert error <= 2 * unchunked_error, (index, error, unchunked_error)
+
+
+def omits_the_entropy_in_its_term(logits, labels, temperature, log_normaliser, entropy, *weights):
+    """A broken backward: ``dH/dz = -p log p``, without ``+ H``."""
+    return ORIGINAL_GRAD_LOGITS(
+        logits,
+        labels,
+        temperature,
+        log_normaliser,
+        None if entropy is None else torch.zeros_like(entropy),
+        *weights,
+    )
+
+
+def forgets_the_temperature(logits, labels, temperature, *rest):
+    """A broken backward: the gradient w.r.t. the tempered logits, not divided by the temperature."""
+    return ORIGINAL_GRAD_LOGITS(logits, labels, temperature, *rest) * temperature
+
+
+ORIGINAL_GRAD_LOGITS = logprob_module._grad_logits
+
+
+@pytest.mark.parametrize("broken", [omits_the_entropy_in_its_term, forgets_the_temperature])
+def test_the_formula_comparison_catches_a_wrong_backward(monkeypatch, broken) -> None:
+    args = (10, 6, 17, 3, True, 0)
+    expected = formula_outputs(whole, *args)
+    assert largest_difference(formula_outputs(chunked_log_probs_and_entropy, *args), expected) <= TOLERANCE
+    monkeypatch.setattr(logprob_module, "_grad_logits", broken)
+    assert largest_difference(formula_outputs(chunked_log_probs_and_entropy, *args), expected) > 1e-2
 
 
 # -- through the models, packed and padded ---------------------------------------------------------
@@ -291,6 +430,24 @@ def test_no_tensor_holds_the_logits_of_more_than_one_chunk(qwen2_models, packing
     with spy:
         model_outputs(model, batch, packing, chunk_size)
     if chunk_size is None:  # the spy sees the whole logits when they exist
+        assert spy.rows >= predicted
+    else:
+        assert spy.rows == chunk_size, f"a tensor held {spy.rows} tokens' logits"
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4], ids=["whole", "chunks of 4"])
+def test_backward_alone_holds_the_logits_of_one_chunk(qwen2_models, chunk_size) -> None:
+    """The spy around ``.backward()`` only: the custom backward recomputes and differentiates one
+    chunk's logits at a time."""
+    model, batch = qwen2_models[True], micro_batch()
+    predicted = int(batch["attention_mask"][:, -batch["responses"].shape[-1] :].sum())
+    model.zero_grad()
+    outputs = forward_micro_batch(model, batch, "lm", packing=True, logits_chunk_size=chunk_size)
+    loss = (outputs[LOG_PROBS] - 0.5 * outputs[ENTROPY]).sum()
+    spy = LargestVocabularyTensor(TinyModelSpec().hidden_size, VOCAB_SIZE)
+    with spy:
+        loss.backward()
+    if chunk_size is None:  # the spy sees the whole logits' gradient when they exist
         assert spy.rows >= predicted
     else:
         assert spy.rows == chunk_size, f"a tensor held {spy.rows} tokens' logits"

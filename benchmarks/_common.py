@@ -91,9 +91,10 @@ def save_qwen2(directory: str | Path, seed: int = 0, **dimensions: Any) -> tuple
     ``directory``; returns its path and parameter count."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from verl_core.engine.seed import seeded
+
     config = Qwen2Config(pad_token_id=0, dtype="float32", **dimensions)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with seeded(seed):
         model = Qwen2ForCausalLM(config)
     path = str(Path(directory) / "model")
     model.save_pretrained(path)

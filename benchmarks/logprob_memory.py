@@ -21,6 +21,7 @@ import tempfile
 import time
 import weakref
 
+import _common as common
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -89,29 +90,26 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from verl_core.config.engine import MicroBatchConfig, ModelConfig
     from verl_core.engine.hf import forward_micro_batch, load_hf_model
 
     chunk_size = args.chunk_size or MicroBatchConfig().logits_chunk_size
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    config = Qwen2Config(
-        vocab_size=args.vocab,
-        hidden_size=256,
-        intermediate_size=1024,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=args.prompt_length + args.response_length,
-    )
     batch = make_batch(args.sequences, args.prompt_length, args.response_length, args.vocab).to(device)
     predicted = batch["responses"].numel()
     results: dict = {"predicted_tokens": predicted, "vocab": args.vocab, "chunk_size": chunk_size}
     with tempfile.TemporaryDirectory() as scratch:
-        torch.manual_seed(0)
-        Qwen2ForCausalLM(config).save_pretrained(scratch)
-        model = load_hf_model(ModelConfig(path=scratch), "lm", packing=True).to(device)
+        path, _ = common.save_qwen2(
+            scratch,
+            vocab_size=args.vocab,
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=args.prompt_length + args.response_length,
+        )
+        model = load_hf_model(ModelConfig(path=path), "lm", packing=True).to(device)
 
         def step(train: bool, chunks: int | None) -> None:
             model.zero_grad(set_to_none=True)

@@ -30,12 +30,12 @@ def megatron_model_config(hf: Mapping[str, Any], where: str = "model.path") -> d
         raise ConfigError(
             [(where, f"model_type {model_type!r}: the megatron backend maps {list(FAMILIES)} (Llama, Qwen2)")]
         )
-    errors = [(where, problem) for problem in _unsupported(hf, model_type)]
+    rope = _rope_parameters(hf)
+    errors = [(where, problem) for problem in _unsupported(hf, model_type, rope)]
     if errors:
         raise ConfigError(errors)
     heads = hf["num_attention_heads"]
     hidden = hf["hidden_size"]
-    rope = _rope_parameters(hf)
     transformer = {
         "num_layers": hf["num_hidden_layers"],
         "hidden_size": hidden,
@@ -64,7 +64,7 @@ def megatron_model_config(hf: Mapping[str, Any], where: str = "model.path") -> d
     return {"transformer": transformer, "gpt": gpt}
 
 
-def _unsupported(hf: Mapping[str, Any], model_type: str) -> list[str]:
+def _unsupported(hf: Mapping[str, Any], model_type: str, rope: Mapping[str, Any]) -> list[str]:
     problems = []
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r}: the mapped families use 'silu' (SwiGLU)")
@@ -73,7 +73,7 @@ def _unsupported(hf: Mapping[str, Any], model_type: str) -> list[str]:
             "attention_bias / mlp_bias: Llama's biases sit on every projection (output and MLP included), "
             "which megatron-core's add_qkv_bias does not express"
         )
-    rope_type = _rope_parameters(hf).get("rope_type", "default")
+    rope_type = rope.get("rope_type", "default")
     if rope_type not in ROPE_TYPES:
         problems.append(
             f"rope type {rope_type!r} (rope_parameters / rope_scaling): the megatron backend maps {list(ROPE_TYPES)}"

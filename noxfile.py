@@ -115,23 +115,26 @@ def build(session: nox.Session) -> None:
 def install_check(session: nox.Session) -> None:
     """Install the built wheels into fresh environments and check what users get.
 
-    1. ``verl-core[fsdp]`` and the ``verl-ddp`` example: our packages come from dist/ only
-       (``--no-index``), the ``fsdp`` and ``ddp`` backends are discovered from their wheels' entry points,
-       verl-fsdp-plugin is installed at the version core's extra pins, and ``verl_core`` is
-       imported from site-packages, not from this checkout.
+    1. ``verl-core[fsdp,megatron]`` and the ``verl-ddp`` example: our packages come from dist/ only
+       (``--no-index``), the ``fsdp``, ``megatron`` and ``ddp`` backends are discovered from their wheels'
+       entry points, verl-fsdp-plugin is installed at the version core's extra pins, the Megatron engine
+       imports (megatron-core and what it needs came along), and ``verl_core`` is imported from
+       site-packages, not from this checkout.
     2. ``verl-core`` alone: only core's own plugin is listed, and asking for the ``megatron`` backend
        tells the user the pip command that installs it.
     """
-    venv = _fresh_venv(session, "fsdp")
-    _install_from_dist(session, venv, ["verl-core[fsdp]", "verl-ddp"])
+    venv = _fresh_venv(session, "extras")
+    _install_from_dist(session, venv, ["verl-core[fsdp,megatron]", "verl-ddp"])
     rows = _plugin_rows(session, venv)
-    for backend, distribution in [("ddp", "verl-ddp"), ("fsdp", "verl-fsdp-plugin")]:
+    expected = [("ddp", "verl-ddp"), ("fsdp", "verl-fsdp-plugin"), ("megatron", "verl-megatron-plugin")]
+    for backend, distribution in expected:
         found = [row for row in rows if row["backend"] == backend]
         if [(row["distribution"], row["status"]) for row in found] != [(distribution, "ok")]:
             session.error(
                 f"expected one '{backend}' backend from distribution {distribution} with status ok, got {found}"
             )
     _check_fsdp_plugin_version(session, venv)
+    _run_python(session, venv, "import verl_megatron.engine")  # megatron-core and its undeclared imports
     _check_core_imported_from_site_packages(session, venv)
 
     venv = _fresh_venv(session, "core")

@@ -1,5 +1,5 @@
-"""The installed distribution as a plugin (core's ``PluginContract``), and that it registers no
-backend and pulls in no megatron-core before its engine exists."""
+"""The installed distribution as a plugin: core's ``PluginContract`` (version, core range, entry
+point, light listing, descriptor, options structure and round trip), and what it pulls in."""
 
 from __future__ import annotations
 
@@ -15,12 +15,20 @@ DISTRIBUTION = "verl-megatron-plugin"
 class TestPlugin(PluginContract):
     distribution = DISTRIBUTION
     package = "verl_megatron"
-    entry_points = {}  # an engine-less release declares none: a registered backend must work
-    options_examples = {}
+    entry_points = {"megatron": "verl_megatron.plugin"}
+    options_examples = {
+        "megatron": {
+            "tensor_model_parallel_size": 2,
+            "pipeline_model_parallel_size": 2,
+            "virtual_pipeline_model_parallel_size": 2,
+            "use_distributed_optimizer": True,
+            "transformer_impl": "local",
+            "cpu_bridge": True,
+        }
+    }
 
 
-def test_pulls_no_megatron_core_until_the_engine_exists():
-    requirements = [Requirement(r) for r in importlib.metadata.requires(DISTRIBUTION) or []]
-    assert "megatron-core" not in [r.name for r in requirements], (
-        f"{DISTRIBUTION} depends on megatron-core but ships no engine that uses it"
-    )
+def test_pulls_in_megatron_core_and_what_it_imports_undeclared():
+    requirements = {r.name: r for r in map(Requirement, importlib.metadata.requires(DISTRIBUTION) or [])}
+    assert {"megatron-core", "psutil", "einops"} <= set(requirements)
+    assert requirements["megatron-core"].specifier.contains("0.16.1")

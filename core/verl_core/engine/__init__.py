@@ -20,6 +20,7 @@ _EXPORTS = {
     "LossFn": "verl_core.engine.base",
     "TEMPERATURE": "verl_core.engine.base",
     "COMPUTE_ENTROPY": "verl_core.engine.base",
+    "forward_options": "verl_core.engine.base",
     "build_engine": "verl_core.engine.factory",
     # the Hugging Face engine and its pieces
     "HFEngine": "verl_core.engine.hf_engine",

@@ -40,6 +40,17 @@ TEMPERATURE = "temperature"
 COMPUTE_ENTROPY = "compute_entropy"
 
 
+def forward_options(batch: TensorDict) -> tuple[float, bool]:
+    """The batch's ``temperature`` (default 1.0) and ``compute_entropy`` (default off), as a backend's
+    forward pass reads them."""
+
+    def read(key: str, default: object) -> object:
+        value = batch.get_non_tensor(key, default)
+        return value.item() if isinstance(value, torch.Tensor) else value
+
+    return float(read(TEMPERATURE, 1.0)), bool(read(COMPUTE_ENTROPY, False))
+
+
 @attrs.define
 class ForwardBackwardResult:
     """What ``forward_backward_batch`` returns on each rank.

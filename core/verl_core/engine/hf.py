@@ -27,7 +27,7 @@ from verl_core.config.engine import ModelConfig
 from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES, VALUES
 from verl_core.descriptors import MODEL_ROLES
 from verl_core.distributed import barrier
-from verl_core.engine.base import COMPUTE_ENTROPY, TEMPERATURE
+from verl_core.engine.base import forward_options
 from verl_core.engine.checkpoint import atomic_directory
 from verl_core.engine.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
 from verl_core.engine.packing import pack_sequences, prompt_groups
@@ -273,8 +273,7 @@ def _lm_outputs(
     ``logits_to_keep``); its final hidden states are caught on the way out of the base model and
     ``chunked_log_probs_and_entropy`` applies the head's weight a chunk at a time.
     """
-    temperature = float(_non_tensor(micro_batch, TEMPERATURE, 1.0))
-    compute_entropy = bool(_non_tensor(micro_batch, COMPUTE_ENTROPY, False))
+    temperature, compute_entropy = forward_options(micro_batch)
     chunked = logits_chunk_size is not None and responses.numel() > logits_chunk_size
     hf_model = _plain_head_model(model) if chunked else None
     if hf_model is None:
@@ -386,8 +385,3 @@ def save_hf_model_from_params(
     if keep:
         export_hf_model(model, path, state_dict=state_dict, tokenizer_source=tokenizer_source)
     barrier(group)  # no rank returns before the export exists
-
-
-def _non_tensor(batch: TensorDict, key: str, default: object) -> object:
-    value = batch.get_non_tensor(key, default)
-    return value.item() if isinstance(value, torch.Tensor) else value

@@ -40,6 +40,9 @@ class MegatronConfig:
     #: The layer implementation: ``local`` (megatron-core's own modules, CPU and GPU),
     #: ``transformer_engine`` (fused TE modules, GPU only), ``auto`` (TE where it is installed).
     transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    #: Run megatron-core on a machine without CUDA (tests, development) by bridging its CUDA
+    #: assumptions (``verl_megatron.cpu_bridge``); refused where CUDA is available.
+    cpu_bridge: bool = False
 
 
 #: The Hugging Face config keys ``check_layout`` reads.

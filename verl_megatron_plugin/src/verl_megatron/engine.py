@@ -1,0 +1,684 @@
+"""``MegatronEngine``: a Hugging Face Llama/Qwen2 model trained as megatron-core ``GPTModel`` chunks,
+with tensor (TP), pipeline (PP, optionally interleaved) and data parallelism (DP).
+
+The ranks of the job form ``world_size / (TP x PP)`` replicas of the model: the ranks of one replica
+(its TP and PP ranks) get the same DP share of every batch, and only the last pipeline stage's TP
+rank 0 returns outputs (``is_output_rank``); ``dp_group`` is megatron-core's data-parallel group.
+
+The weights come from the Hugging Face checkpoint (``verl_megatron.weights`` maps every tensor to its
+megatron-core parameter and TP shard) and go back under Hugging Face names, one whole tensor at a
+time, for the rollout and for ``save_hf_model``. Training runs megatron-core's own pieces: its
+``DistributedDataParallel`` (gradients reduced in fp32 buffers, averaged over DP), its optimiser
+(``get_megatron_optimizer``: AdamW, optionally the distributed optimiser), and
+``get_forward_backward_func`` for the micro-batches (1F1B, interleaved with virtual stages). The
+loss follows the engine contract: each micro-batch's loss is already globally normalised, so the
+schedule's averaging over micro-batches is undone, and nothing depends on the micro-batch count,
+TP or PP. Checkpoints are megatron-core ``dist_checkpointing`` directories (model, optimiser),
+loadable at another TP/PP/DP layout, with the LR schedule and each rank's RNG state beside them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from verl_core.config.engine import EngineConfig
+from verl_core.data.batch import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    POSITION_IDS,
+    RESPONSES,
+    VALUES,
+    attach_global_counts,
+    compute_global_counts,
+)
+from verl_core.data.microbatch import split_micro_batches
+from verl_core.engine import (
+    BaseEngine,
+    ForwardBackwardResult,
+    LossFn,
+    all_reduce_sum,
+    atomic_checkpoint,
+    forward_options,
+    load_checkpoint_file,
+    load_hf_model,
+    log_probs_and_entropy,
+    lr_multiplier,
+    move_optimizer_state,
+    open_checkpoint,
+    reading_checkpoint,
+    rng_state,
+    save_hf_model_from_params,
+    set_rng_state,
+    validate_optim_config,
+)
+from verl_core.errors import ConfigError
+from verl_megatron.config import MegatronConfig, check_layout
+from verl_megatron.hf_config import megatron_model_config
+from verl_megatron.weights import Heads, TensorMap, hf_order, tensor_maps
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+BACKEND = "megatron"
+#: Checkpoint layout (inside the directory ``atomic_checkpoint`` publishes): one ``dist_checkpointing``
+#: directory for model and optimiser, the engine's own state, and each rank's RNG states.
+DIST_CHECKPOINT_DIR = "dist_checkpoint"
+ENGINE_FILE = "engine_state.pt"  # the LR schedule's position, whether the optimiser state was saved
+RNG_FILE = "rng_rank{rank}.pt"
+#: ``decoder.layers.{local index}.`` in a chunk's parameter names.
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+class MegatronEngine(BaseEngine):
+    """megatron-core ``GPTModel`` with TP, PP and DP (gloo on CPU with ``cpu_bridge``, NCCL on GPU)."""
+
+    options_class = MegatronConfig
+
+    def __init__(self, config: EngineConfig, role: str = "lm", *, config_path: str = "engine"):
+        super().__init__(config, role, config_path=config_path)
+        #: This rank's ``GPTModel`` chunks, and the same wrapped by megatron-core's DDP.
+        self.chunks: list[torch.nn.Module] = []
+        self.model: list[torch.nn.Module] = []
+        self.optimizer = None
+        #: Optimiser steps taken: the LR schedule's position (``verl_core.engine.lr_multiplier``).
+        self.schedule_steps = 0
+        #: The Hugging Face architecture on the meta device: names, order, shapes and config of exports.
+        self.hf_module: torch.nn.Module | None = None
+        self._maps: list[TensorMap] = []
+        self._heads: Heads | None = None
+        self._params: dict[str, torch.nn.Parameter] = {}  # global megatron-core name -> this rank's shard
+        self._stage_of: dict[str | int, int] = {}  # TensorMap.stage -> pipeline rank holding it
+        self._optimizer_device = self.device
+
+    # -- layout ----------------------------------------------------------------------------------
+
+    @property
+    def dp_group(self) -> ProcessGroup | None:
+        return self._parallel_state().get_data_parallel_group() if self.chunks else super().dp_group
+
+    @property
+    def is_output_rank(self) -> bool:
+        state = self._parallel_state()
+        return state.is_pipeline_last_stage() and state.get_tensor_model_parallel_rank() == 0
+
+    @property
+    def tp_size(self) -> int:
+        return self.options.tensor_model_parallel_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.options.pipeline_model_parallel_size
+
+    def _parallel_state(self):
+        from megatron.core import parallel_state
+
+        return parallel_state
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def initialize(self) -> None:
+        if self.chunks:
+            raise RuntimeError("MegatronEngine.initialize() was already called")
+        validate_optim_config(self.config.optim, f"{self.config_path}.optim")
+        self._check_device_and_bridge()
+        hf_model = load_hf_model(
+            self.config.model, self.role, seed=self.config.seed, where=f"{self.config_path}.model"
+        )
+        hf_config = hf_model.config.to_dict()
+        model = megatron_model_config(hf_config, where=f"{self.config_path}.model.path")
+        transformer_engine = self._uses_transformer_engine()
+        check_layout(
+            self.options, hf_config, dist.get_world_size(), transformer_engine_available(), self._options_path
+        )
+        self._initialize_parallel_state()
+
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        from verl_megatron.model import build_model_chunks, transformer_config
+
+        dtype = hf_model.dtype
+        config = transformer_config(model, self.options, dtype, transformer_engine)
+        model_parallel_cuda_manual_seed(self.config.seed)
+        self.chunks = build_model_chunks(model, config, self.role, transformer_engine, self.device)
+        self._heads = Heads.of(model["transformer"])
+        self._maps = tensor_maps(
+            model["transformer"]["num_layers"],
+            self.role,
+            model["gpt"]["share_embeddings_and_output_weights"],
+            model["transformer"]["add_qkv_bias"],
+            fused_norms=transformer_engine,
+        )
+        self._params = self._global_parameter_names()
+        self._stage_of = self._pipeline_ranks_of_stages()
+        self._load_hf_state(hf_model.state_dict())
+        self.hf_module = load_hf_model(
+            self.config.model, self.role, where=f"{self.config_path}.model", on_meta=True
+        )
+        del hf_model
+        self._wrap(config)
+        self.offload_per_config("cpu")
+
+    def _check_device_and_bridge(self) -> None:
+        where = f"{self._options_path}.cpu_bridge"
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                [
+                    (
+                        self.config_path,
+                        "the megatron backend needs an initialised torch.distributed process group (one rank "
+                        "suffices): call torch.distributed.init_process_group before initialize()",
+                    )
+                ]
+            )
+        if self.device.type == "cpu":
+            if not self.options.cpu_bridge:
+                raise ConfigError(
+                    [
+                        (
+                            where,
+                            "false, and the engine runs on the CPU: megatron-core assumes CUDA; set "
+                            f"{where}: true to run it on the CPU (tests and development, "
+                            "docs/backends/megatron.md), or use device: cuda",
+                        )
+                    ]
+                )
+            from verl_megatron import cpu_bridge
+
+            cpu_bridge.enable()
+        elif self.options.cpu_bridge:
+            raise ConfigError(
+                [
+                    (
+                        where,
+                        f"true, but the engine runs on {self.device}: megatron-core runs unpatched there; unset it",
+                    )
+                ]
+            )
+        else:
+            torch.cuda.set_device(self.device)
+
+    def _uses_transformer_engine(self) -> bool:
+        impl = self.options.transformer_impl
+        return impl == "transformer_engine" or (impl == "auto" and transformer_engine_available())
+
+    def _initialize_parallel_state(self) -> None:
+        """megatron-core keeps one layout per process: every megatron engine of a process shares it."""
+        state = self._parallel_state()
+        wanted = (self.tp_size, self.pp_size, self.options.virtual_pipeline_model_parallel_size)
+        if not state.model_parallel_is_initialized():
+            state.initialize_model_parallel(*wanted)
+            return
+        current = (
+            state.get_tensor_model_parallel_world_size(),
+            state.get_pipeline_model_parallel_world_size(),
+            state.get_virtual_pipeline_model_parallel_world_size(),
+        )
+        if current != wanted:
+            raise ConfigError(
+                [
+                    (
+                        self._options_path,
+                        f"TP/PP/virtual PP {wanted}, but an earlier megatron engine of this process set up "
+                        f"{current}: megatron-core holds one parallel layout per process, so every megatron "
+                        "engine of a worker (actor, reference, critic) must use the same sizes",
+                    )
+                ]
+            )
+
+    def _global_parameter_names(self) -> dict[str, torch.nn.Parameter]:
+        """This rank's parameters under the names ``tensor_maps`` uses (global layer indices)."""
+        from verl_megatron.model import global_layer_index
+
+        params = {}
+        for chunk in self.chunks:
+            for name, param in chunk.named_parameters():
+                local = _LAYER.match(name)
+                if local is not None:
+                    index = global_layer_index(chunk, int(local.group(1)))
+                    name = f"decoder.layers.{index}.{name[local.end() :]}"
+                params[name] = param
+        return params
+
+    def _pipeline_ranks_of_stages(self) -> dict[str | int, int]:
+        """For each ``TensorMap.stage``: the pipeline rank whose chunks hold it."""
+        mine = {m.stage for m in self._maps if m.megatron_name in self._params}
+        state = self._parallel_state()
+        gathered: list[Any] = [None] * self.pp_size
+        dist.all_gather_object(
+            gathered, sorted(mine, key=str), group=state.get_pipeline_model_parallel_group()
+        )
+        stages = {}
+        for pp_rank, held in enumerate(gathered):
+            for stage in held:
+                stages.setdefault(stage, pp_rank)  # a tied head also sits on the last stage: the first wins
+        return stages
+
+    @torch.no_grad()
+    def _load_hf_state(self, hf_state: dict[str, torch.Tensor]) -> None:
+        """Copy every Hugging Face tensor into this rank's shard of its megatron-core parameter."""
+        state = self._parallel_state()
+        tp_rank = state.get_tensor_model_parallel_rank()
+        loaded = set()
+        for tensor_map in self._maps:
+            if tensor_map.megatron_name in loaded:
+                continue  # a tied lm_head: the embedding it is
+            target = self._params.get(tensor_map.megatron_name)
+            if target is None:
+                continue  # another pipeline stage holds it
+            shard = tensor_map.to_megatron(
+                [hf_state[n] for n in tensor_map.hf_names], tp_rank, self.tp_size, self._heads
+            )
+            target.copy_(shard)
+            loaded.add(tensor_map.megatron_name)
+        # With tied embeddings on several stages the last one keeps its own copy of the embedding as
+        # the head (megatron-core keeps the two in sync through their gradients).
+        if "output_layer.weight" in self._params and "output_layer.weight" not in loaded:
+            embedding = next(m for m in self._maps if m.megatron_name == "embedding.word_embeddings.weight")
+            self._params["output_layer.weight"].copy_(
+                embedding.to_megatron([hf_state[embedding.hf_names[0]]], tp_rank, self.tp_size, self._heads)
+            )
+            loaded.add("output_layer.weight")
+        unloaded = sorted(set(self._params) - loaded)
+        if unloaded:
+            raise RuntimeError(f"megatron-core parameters without a Hugging Face tensor: {unloaded}")
+
+    def _wrap(self, config) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.options.use_distributed_optimizer,
+        )
+        self.model = [
+            DistributedDataParallel(
+                config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0
+            )
+            for index, chunk in enumerate(self.chunks)
+        ]
+        config.no_sync_func = (
+            [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        )
+        config.finalize_model_grads_func = finalize_model_grads
+        optim = self.config.optim
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=optim.lr,
+                min_lr=0.0,
+                weight_decay=optim.weight_decay,
+                adam_beta1=optim.betas[0],
+                adam_beta2=optim.betas[1],
+                adam_eps=optim.eps,
+                clip_grad=optim.clip_grad,
+                use_distributed_optimizer=self.options.use_distributed_optimizer,
+                params_dtype=config.params_dtype,
+                bf16=config.bf16,
+                fp16=config.fp16,
+            ),
+            self.model,
+            config_overrides={},  # weight decay on every tensor, as AdamW over the Hugging Face model
+        )
+        if config.fp16:
+            config.grad_scale_func = self.optimizer.scale_loss
+        self._apply_lr()
+
+    def set_model_mode(self, train: bool) -> None:
+        for chunk in self._initialized():
+            chunk.train(train)
+
+    @torch.no_grad()
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+        """Offload to the CPU (``"cpu"``) or reload onto the compute device. megatron-core's DDP keeps
+        parameters and gradients in flat buffers that every parameter (and bucket) views, so the
+        buffers' storage is emptied and refilled in place (``_park``): the views stay valid."""
+        self._initialized()
+        offload = torch.device(device).type == "cpu"
+        if self.device.type == "cpu":
+            return  # everything lives on the CPU already
+        buffered: set[int] = set()
+        for chunk in self.model:
+            for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
+                if model and buffer.param_data is not None:
+                    _park(buffer.param_data, offload)
+                    buffered.update(id(p) for p in buffer.params)
+                if grad:
+                    _park(buffer.grad_data, offload)
+        if model:
+            for chunk in self.chunks:
+                for param in chunk.parameters():
+                    if id(param) not in buffered:
+                        _park(param, offload)
+                for buffer in chunk.buffers():
+                    _park(buffer, offload)
+        if optimizer:
+            model_params = {id(p) for chunk in self.chunks for p in chunk.parameters()}
+            for inner in _inner_optimizers(self.optimizer):
+                move_optimizer_state(inner, "cpu" if offload else self.device)
+                for group in inner.param_groups:  # fp32 main copies of bf16/fp16 or sharded parameters
+                    for param in group["params"]:
+                        if id(param) not in model_params:
+                            _park(param, offload)
+            self._optimizer_device = torch.device("cpu") if offload else self.device
+
+    # -- compute ---------------------------------------------------------------------------------
+
+    def forward_backward_batch(
+        self, batch: TensorDict, loss_fn: LossFn | None, forward_only: bool
+    ) -> ForwardBackwardResult:
+        self._initialized()
+        if loss_fn is None and not forward_only:
+            raise ValueError("a backward pass needs a loss_fn: pass one, or forward_only=True")
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        dp_group = self.dp_group
+        if loss_fn is not None:
+            batch = attach_global_counts(batch.copy(), compute_global_counts(batch, dp_group))
+        split = split_micro_batches(batch, self.config.micro_batch, dp_group)
+        micro_batches = [micro_batch.to(self.device) for micro_batch in split.micro_batches]
+        count = len(micro_batches)
+        outputs: dict[str, list[torch.Tensor]] = {}
+        metrics: dict[str, list[float]] = {}
+        losses: list[float] = []
+        output_device = batch[INPUT_IDS].device
+
+        def forward_step(data_iterator, model):
+            micro_batch = next(data_iterator)
+            output = model(
+                input_ids=micro_batch[INPUT_IDS],
+                position_ids=micro_batch[POSITION_IDS],
+                attention_mask=_attention_mask(micro_batch[ATTENTION_MASK]),
+                runtime_gather_output=True,  # whole-vocabulary logits on every TP rank
+            )
+
+            def loss_func(output_tensor):
+                model_output = self._outputs(output_tensor, micro_batch)
+                for name, value in model_output.items():
+                    outputs.setdefault(name, []).append(value.detach().to(output_device))
+                if loss_fn is None:
+                    return output_tensor.new_zeros(()), {}
+                loss, loss_metrics = loss_fn(model_output, micro_batch, dp_group)
+                losses.append(float(loss.detach()))
+                for name, value in loss_metrics.items():
+                    metrics.setdefault(name, []).append(float(value))
+                # The schedule divides by the micro-batch count; the loss is normalised already.
+                return loss * count, {}
+
+            return output, loss_func
+
+        lengths = [micro_batch[INPUT_IDS].shape for micro_batch in micro_batches]
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(micro_batches) for _ in self.model]
+            if len(self.model) > 1
+            else iter(micro_batches),
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=count,
+            seq_length=max(shape[1] for shape in lengths),
+            micro_batch_size=max(shape[0] for shape in lengths),
+            forward_only=forward_only,
+        )
+        loss, metrics = self._from_last_stage(sum(losses), metrics, loss_fn is not None)
+        result_outputs = None
+        if self.is_output_rank:
+            restored = {name: split.restore(values) for name, values in outputs.items()}
+            result_outputs = TensorDict(restored, batch_size=batch.batch_size[:1], device=None)
+        return ForwardBackwardResult(outputs=result_outputs, loss=loss, metrics=metrics)
+
+    def _outputs(self, output: torch.Tensor, micro_batch: TensorDict) -> dict[str, torch.Tensor]:
+        """The batch contract's outputs from the last stage's ``[b, s, .]`` logits or values."""
+        responses = micro_batch[RESPONSES]
+        predicting = output[:, -responses.shape[-1] - 1 : -1]
+        if self.role == "value":
+            return {VALUES: predicting.squeeze(-1).float()}
+        temperature, compute_entropy = forward_options(micro_batch)
+        log_probs, entropy = log_probs_and_entropy(predicting, responses, temperature, compute_entropy)
+        return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
+
+    def _from_last_stage(
+        self, local_loss: float, metrics: dict[str, list[float]], has_loss: bool
+    ) -> tuple[float | None, dict[str, list[float]]]:
+        """The global loss and the metrics, computed on the last stage, on every rank of the replica."""
+        state = self._parallel_state()
+        loss = None
+        if has_loss and state.is_pipeline_last_stage():
+            loss = all_reduce_sum(local_loss, self.dp_group) / self.dp_size
+        if self.pp_size > 1:
+            group = state.get_pipeline_model_parallel_group()
+            payload = [(loss, metrics)]
+            dist.broadcast_object_list(
+                payload, src=dist.get_global_rank(group, self.pp_size - 1), group=group
+            )
+            loss, metrics = payload[0]
+        return loss, metrics
+
+    def optimizer_zero_grad(self) -> None:
+        for chunk in self._initialized_model():
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def optimizer_step(self) -> float:
+        """Clip to ``optim.clip_grad`` by the global norm (megatron-core's, over every TP, PP and
+        distributed-optimiser shard), step; a non-finite norm skips the step."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        self._initialized()
+        optimizer = self.optimizer
+        found_inf = optimizer.prepare_grads()
+        grad_norm = float(optimizer.get_grad_norm()) if not found_inf else math.inf
+        if not math.isfinite(grad_norm):
+            optimizer.zero_grad()
+            return grad_norm
+        clip = self.config.optim.clip_grad
+        if clip > 0:
+            for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+                parameters = inner.get_parameters()
+                if parameters:
+                    clip_grad_by_total_norm_fp32(parameters, clip, grad_norm)
+        optimizer.step_with_ready_grads()
+        return grad_norm
+
+    def lr_scheduler_step(self) -> float:
+        self._initialized()
+        self.schedule_steps += 1
+        self._apply_lr()
+        return self.get_lr()
+
+    def get_lr(self) -> float:
+        self._initialized()
+        return float(_inner_optimizers(self.optimizer)[0].param_groups[0]["lr"])
+
+    def _apply_lr(self) -> None:
+        lr = self.config.optim.lr * lr_multiplier(self.schedule_steps, self.config.optim)
+        for inner in _inner_optimizers(self.optimizer):
+            for group in inner.param_groups:
+                group["lr"] = lr
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight, whole, under its Hugging Face name, in Hugging Face order: gathered over the
+        TP ranks on the stage that holds it, then broadcast to the other stages. A collective: every
+        rank iterates to the end."""
+        self._initialized()
+        state = self._parallel_state()
+        tp_group = state.get_tensor_model_parallel_group()
+        pp_group = state.get_pipeline_model_parallel_group()
+        pp_rank = state.get_pipeline_model_parallel_rank()
+        hf_state = self.hf_module.state_dict()
+        joined: tuple[TensorMap | None, list[torch.Tensor]] = (None, [])
+        for name, tensor_map, index in hf_order(self._maps, list(hf_state)):
+            owner = self._stage_of[tensor_map.stage]
+            if pp_rank == owner:
+                if joined[0] is not tensor_map:
+                    joined = (tensor_map, self._join(tensor_map, tp_group))
+                tensor = joined[1][index]
+            else:
+                meta = hf_state[name]
+                tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            if self.pp_size > 1:
+                dist.broadcast(tensor, src=dist.get_global_rank(pp_group, owner), group=pp_group)
+            yield name, tensor
+
+    def _join(self, tensor_map: TensorMap, tp_group) -> list[torch.Tensor]:
+        local = self._params[tensor_map.megatron_name].detach()
+        if tensor_map.split == "replicated" or self.tp_size == 1:
+            return tensor_map.to_hf([local] * self.tp_size, self._heads)
+        shards = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(shards, local.contiguous(), group=tp_group)
+        return tensor_map.to_hf(shards, self._heads)
+
+    def save_hf_model(self, path: str) -> None:
+        self._initialized()
+        save_hf_model_from_params(
+            self.hf_module,
+            self.get_per_tensor_param(),
+            path,
+            rank=dist.get_rank(),
+            group=dist.group.WORLD,
+            tokenizer_source=self.config.model.path,
+        )
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str, global_step: int = 0) -> None:
+        from megatron.core import dist_checkpointing
+
+        self._initialized()
+        rank = dist.get_rank()
+        # Before the first step the optimiser has no state, and megatron-core would fill it with zero
+        # moments and no step count to save it, which the next real step cannot use.
+        with_optimizer = self._optimizer_has_state()
+        with atomic_checkpoint(
+            path, global_step=global_step, backend=BACKEND, group=dist.group.WORLD
+        ) as staging:
+            directory = staging / DIST_CHECKPOINT_DIR
+            if rank == 0:
+                directory.mkdir()
+            dist.barrier()
+            dist_checkpointing.save(self._sharded_state_dict(with_optimizer, loading=False), str(directory))
+            if rank == 0:
+                torch.save(
+                    {"schedule_steps": self.schedule_steps, "optimizer": with_optimizer},
+                    staging / ENGINE_FILE,
+                )
+            torch.save(self._rng_state(), staging / RNG_FILE.format(rank=rank))
+
+    def load_checkpoint(self, path: str) -> int:
+        """Restore a checkpoint saved at any TP/PP/DP layout of the same model."""
+        from megatron.core import dist_checkpointing
+
+        self._initialized()
+        directory, info = open_checkpoint(path, backend=BACKEND)
+        saved = load_checkpoint_file(directory, ENGINE_FILE)
+        with reading_checkpoint(directory, self.config.model.path):
+            state = dist_checkpointing.load(
+                self._sharded_state_dict(saved["optimizer"], loading=True),
+                str(directory / DIST_CHECKPOINT_DIR),
+            )
+            for index, chunk in enumerate(self.chunks):
+                chunk.load_state_dict(state[_model_key(index, len(self.chunks))], strict=True)
+            inner_optimizers = _inner_optimizers(self.optimizer)
+            if saved["optimizer"]:
+                self.optimizer.load_state_dict(state["optimizer"])
+                for inner in inner_optimizers:
+                    move_optimizer_state(inner, self._optimizer_device)
+            else:  # saved before the first step: so is this engine now
+                for inner in inner_optimizers:
+                    inner.state.clear()
+        self.schedule_steps = int(saved["schedule_steps"])
+        self._apply_lr()
+        rng_file = directory / RNG_FILE.format(rank=dist.get_rank())
+        if rng_file.is_file():  # resuming on more ranks than were saved: the extra ranks keep theirs
+            self._set_rng_state(load_checkpoint_file(directory, rng_file.name))
+        return info.global_step
+
+    def _sharded_state_dict(self, with_optimizer: bool, loading: bool) -> dict[str, Any]:
+        """Model chunks (and optimiser) as megatron-core sharded tensors: global shapes and each rank's
+        piece, so that another layout loads them. Loading needs a fresh one (and initialises the
+        optimiser state it loads into)."""
+        model = {
+            _model_key(index, len(self.chunks)): chunk.sharded_state_dict()
+            for index, chunk in enumerate(self.chunks)
+        }
+        state: dict[str, Any] = dict(model)
+        if with_optimizer:
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                model, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+            )
+        return state
+
+    def _optimizer_has_state(self) -> bool:
+        return any(inner.state for inner in _inner_optimizers(self.optimizer))
+
+    def _rng_state(self) -> dict[str, Any]:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        return {**rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+
+    def _set_rng_state(self, state: dict[str, Any]) -> None:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        set_rng_state(state)
+        get_cuda_rng_tracker().set_states(state["tracker"])
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    @property
+    def _options_path(self) -> str:
+        return f"{self.config_path}.{BACKEND}"
+
+    def _initialized(self) -> list[torch.nn.Module]:
+        if not self.chunks:
+            raise RuntimeError("MegatronEngine is not initialised: call initialize() first")
+        return self.chunks
+
+    def _initialized_model(self) -> list[torch.nn.Module]:
+        self._initialized()
+        return self.model
+
+
+def _model_key(index: int, chunks: int) -> str:
+    return "model" if chunks == 1 else f"model{index}"
+
+
+def _inner_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The ``torch.optim`` optimisers under megatron-core's (chained) optimiser: what steps."""
+    return [inner.optimizer for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """megatron-core's ``[b, 1, s, s]`` mask (True: not attended) from the batch's ``[b, s]`` one:
+    causal, and no real token attends padding."""
+    length = attention_mask.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).triu(1)
+    return causal[None, None] | ~attention_mask.bool()[:, None, None, :]
+
+
+def _park(tensor: torch.Tensor, offload: bool) -> None:
+    """Move ``tensor``'s content to a CPU copy and free its device storage (``offload``), or bring it
+    back into the same storage: every view of it (parameters into DDP buffers) stays valid."""
+    storage = tensor.untyped_storage()
+    if offload and storage.size() > 0:
+        tensor._verl_offloaded = tensor.detach().to("cpu", copy=True)
+        tensor._verl_storage_bytes = storage.size()
+        storage.resize_(0)
+    elif not offload and storage.size() == 0 and hasattr(tensor, "_verl_offloaded"):
+        storage.resize_(tensor._verl_storage_bytes)
+        tensor.copy_(tensor._verl_offloaded)
+        del tensor._verl_offloaded

@@ -1,0 +1,15 @@
+"""The ``megatron`` backend against verl-core's engine conformance kit (docs/conformance.md).
+
+As a third-party plugin author would: the kit finds the backend through the installed
+distribution's entry point and runs every check, here on the CPU (``cpu_bridge``) in three layouts:
+data parallelism alone (TP=1, PP=1 at one and two ranks), tensor parallelism (TP=2 at two ranks:
+one replica) and pipeline parallelism (PP=2 at two ranks: one replica).
+"""
+
+from verl_core.testing import EngineConformance
+
+
+class TestMegatronConformance(EngineConformance):
+    backend = "megatron"
+    world_sizes = (1, 2)
+    options = {"cpu_bridge": True}

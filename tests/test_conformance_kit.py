@@ -3,15 +3,19 @@ must, and, run against deliberately broken engines, it fails each of them in the
 
 The broken engines are subclasses of the example DDP engine, each with one realistic bug, provided
 by this module acting as a plugin (``verl_engine_backends`` below): the spawned ranks rebuild the
-registry from it exactly as they would from an installed plugin.
+registry from it exactly as they would from an installed plugin. So is a correct engine with a
+model-parallel layout (``EmulatedModelParallelEngine``), on which the whole kit must pass, and
+variants of it with the bugs such layouts invite.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
 import time
+import types
 
 import attrs
 import pytest
@@ -33,10 +37,22 @@ from verl_core.data.batch import (
     attach_global_counts,
     compute_global_counts,
 )
-from verl_core.engine import TEMPERATURE, build_lr_scheduler, export_hf_model
+from verl_core.engine import (
+    TEMPERATURE,
+    atomic_checkpoint,
+    build_lr_scheduler,
+    export_hf_model,
+    load_checkpoint_file,
+    load_model_state,
+    load_rng_state,
+    move_optimizer_state,
+    open_checkpoint,
+    save_hf_model_from_params,
+    save_rng_state,
+)
 from verl_core.errors import UnknownNameError
-from verl_core.testing import run_conformance
-from verl_core.testing.checks import BASE_OPTIM
+from verl_core.testing import EngineConformance, run_conformance
+from verl_core.testing.checks import BASE_OPTIM, RankContext
 from verl_core.testing.losses import ENTROPY_COEF, policy_loss_fn
 from verl_core.testing.reference import load_reference_model, reference_outputs, reference_step
 from verl_core.testing.report import (
@@ -62,7 +78,8 @@ from verl_core.testing.tiny import (
     shard,
 )
 from verl_ddp.config import DDPConfig
-from verl_ddp.engine import DDPEngine
+from verl_ddp.engine import BACKEND as DDP_BACKEND
+from verl_ddp.engine import LR_SCHEDULER_FILE, MODEL_FILE, OPTIMIZER_FILE, DDPEngine
 
 torch.set_num_threads(1)
 
@@ -210,6 +227,113 @@ class HangingEngine(DDPEngine):
         time.sleep(3600)
 
 
+# -- a model-parallel layout, emulated with full replicas ---------------------------------------------
+
+#: Ranks per emulated model replica (think tensor-parallel size 2).
+MODEL_PARALLEL_SIZE = 2
+
+
+@functools.cache
+def _emulated_dp_group(world_size: int) -> dist.ProcessGroup:
+    """This rank's DP group: the ranks at its position in every replica ({0, 2} and {1, 3} at four
+    ranks, {0} and {1} at two). ``new_group`` is a collective over the world, so every rank creates
+    every group, once per process (the kit builds many engines)."""
+    if world_size % MODEL_PARALLEL_SIZE:
+        raise ValueError(
+            f"the emulated model-parallel engine needs a world size divisible by {MODEL_PARALLEL_SIZE}"
+        )
+    groups = [
+        dist.new_group(list(range(position, world_size, MODEL_PARALLEL_SIZE)))
+        for position in range(MODEL_PARALLEL_SIZE)
+    ]
+    return groups[dist.get_rank() % MODEL_PARALLEL_SIZE]
+
+
+class EmulatedModelParallelEngine(DDPEngine):
+    """The layout of a model-parallel engine, with full replicas doing the work: consecutive ranks
+    ``(2k, 2k + 1)`` form one model replica (DP rank ``k``), and the DP groups join the ranks at one
+    position across replicas, as a tensor-parallel engine's do. Gradients are all-reduced over the
+    DP group only, so the two ranks of a replica stay identical only if both get DP rank ``k``'s
+    share, as the trainer sends it. Only a replica's first rank returns outputs (a pipeline's last
+    stage, say); every rank reports the step's loss, grad norm and rate and exports full weights.
+
+    Checkpoints and the Hugging Face export are written once for the whole job, coordinated over
+    the world: at two ranks both are DP rank 0 of their own group, and must not both write."""
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return _emulated_dp_group(dist.get_world_size())
+
+    @property
+    def is_output_rank(self) -> bool:
+        return dist.get_rank() % MODEL_PARALLEL_SIZE == 0
+
+    def forward_backward_batch(self, batch, loss_fn, forward_only):
+        result = super().forward_backward_batch(batch, loss_fn, forward_only)
+        return result if self.is_output_rank else attrs.evolve(result, outputs=None)
+
+    def save_checkpoint(self, path, global_step=0):
+        module = self._initialized()
+        rank = dist.get_rank()
+        with atomic_checkpoint(
+            path, global_step=global_step, backend=DDP_BACKEND, group=dist.group.WORLD
+        ) as staging:
+            if rank == 0:  # every replica holds the whole, identical state
+                torch.save(module.state_dict(), staging / MODEL_FILE)
+                torch.save(self.optimizer.state_dict(), staging / OPTIMIZER_FILE)
+                torch.save(self.lr_scheduler.state_dict(), staging / LR_SCHEDULER_FILE)
+            save_rng_state(staging, rank)
+
+    def load_checkpoint(self, path):
+        module = self._initialized()
+        directory, info = open_checkpoint(path, backend=DDP_BACKEND)
+        load_model_state(
+            module, load_checkpoint_file(directory, MODEL_FILE), directory, self.config.model.path
+        )
+        self.optimizer.load_state_dict(load_checkpoint_file(directory, OPTIMIZER_FILE))
+        move_optimizer_state(self.optimizer, self.optimizer_device)
+        self.lr_scheduler.load_state_dict(load_checkpoint_file(directory, LR_SCHEDULER_FILE))
+        load_rng_state(directory, dist.get_rank())
+        return info.global_step
+
+    def save_hf_model(self, path):
+        save_hf_model_from_params(
+            self._initialized(),
+            self.get_per_tensor_param(),
+            path,
+            rank=dist.get_rank(),
+            group=dist.group.WORLD,
+            tokenizer_source=self.config.model.path,
+        )
+
+
+class WorldScaledLossEngine(EmulatedModelParallelEngine):
+    """Reports the subgroup as its DP group but scales each rank's loss by the world size, not the
+    DP size: the loss and gradients are ``MODEL_PARALLEL_SIZE`` times too large."""
+
+    def forward_backward_batch(self, batch, loss_fn, forward_only):
+        if loss_fn is None:
+            return super().forward_backward_batch(batch, loss_fn, forward_only)
+        counts = attrs.evolve(compute_global_counts(batch, self.dp_group), dp_size=dist.get_world_size())
+
+        def world_scaled_loss(model_output, micro_batch, dp_group):
+            attach_global_counts(micro_batch, counts)
+            return loss_fn(model_output, micro_batch, dp_group)
+
+        return super().forward_backward_batch(batch, world_scaled_loss, forward_only)
+
+
+class StageLocalLossEngine(EmulatedModelParallelEngine):
+    """Reports the loss only where it is computed: the other ranks of a replica (a pipeline's
+    earlier stages) report 0 instead of receiving it."""
+
+    def forward_backward_batch(self, batch, loss_fn, forward_only):
+        result = super().forward_backward_batch(batch, loss_fn, forward_only)
+        if self.is_output_rank or result.loss is None:
+            return result
+        return attrs.evolve(result, loss=0.0)
+
+
 BROKEN_ENGINES = {
     "ddp-per-rank-mean": PerRankMeanEngine,
     "ddp-wrapped-names": WrappedNamesEngine,
@@ -222,6 +346,8 @@ BROKEN_ENGINES = {
     "ddp-crossing-packing": CrossingPackingEngine,
     "ddp-last-chunk-dropping": LastChunkDroppingEngine,
     "ddp-hanging": HangingEngine,
+    "ddp-mp-world-scaled-loss": WorldScaledLossEngine,
+    "ddp-mp-stage-local-loss": StageLocalLossEngine,
 }
 
 
@@ -232,6 +358,15 @@ def verl_engine_backends() -> list[EngineBackend]:
             name=name, engine=engine, config=DDPConfig, roles=("lm",), devices=("cpu",), api_version=1
         )
         for name, engine in BROKEN_ENGINES.items()
+    ] + [
+        EngineBackend(
+            name="ddp-emulated-model-parallel",
+            engine=EmulatedModelParallelEngine,
+            config=DDPConfig,
+            roles=("lm", "value"),
+            devices=("cpu",),
+            api_version=1,
+        )
     ]
 
 
@@ -256,7 +391,7 @@ def test_per_rank_loss_mean_is_caught_by_the_dp_check() -> None:
     assert any(q.endswith(": loss") for q in failing), failing
     assert any(q.endswith(": grad_norm") for q in failing), failing
     message = outcome.describe()
-    assert "[40, 14] tokens per rank" in message and "differ from the reference" in message, message
+    assert "[40, 14] tokens per DP rank" in message and "differ from the reference" in message, message
 
 
 @pytest.mark.distributed
@@ -364,6 +499,66 @@ def test_a_hanging_engine_is_killed_at_the_timeout() -> None:
     assert report.error is not None and "exceeded its timeout of 10 s" in report.error
     assert report["weight_export"].status == "error"
     assert not report.passed
+
+
+# -- a model-parallel layout ------------------------------------------------------------------------
+
+
+class TestEmulatedModelParallelConformance(EngineConformance):
+    """The whole kit on a correct engine whose DP groups are not the world: at two ranks one replica
+    on two ranks (dp_size 1, so dp_invariance is skipped), at four two replicas (dp_size 2)."""
+
+    backend = "ddp-emulated-model-parallel"
+    world_sizes = (2, 4)
+    plugins = (THIS_PLUGIN,)
+    autoload = False
+
+
+@pytest.mark.distributed
+def test_a_loss_scaled_by_the_world_size_instead_of_the_dp_size_is_caught() -> None:
+    report = run_broken("ddp-mp-world-scaled-loss", 2, ("log_probs", "first_step"))
+    assert report["log_probs"].passed, report.summary()  # the forward pass is fine
+    failing = {(comparison.rank, comparison.quantity) for comparison in report["first_step"].failures}
+    assert {(rank, q) for rank in (0, 1) for q in ("loss", "grad_norm")} <= failing, report.summary()
+
+
+@pytest.mark.distributed
+def test_a_loss_that_only_the_output_rank_reports_is_caught_on_the_other_ranks() -> None:
+    report = run_broken("ddp-mp-stage-local-loss", 2, ("first_step",))
+    outcome = report["first_step"]
+    assert failing_quantities(report, "first_step") == ["loss"], report.summary()
+    assert "[rank 1] loss: FAILED" in outcome.describe() and "[rank 0]" not in outcome.describe()
+
+
+def _context(tmp_path, rank: int = 0, world_size: int = 1) -> RankContext:
+    return RankContext("ddp-tp", ("lm",), None, None, rank, world_size, "cpu", None, tmp_path)
+
+
+def _layout(dp_rank: int, dp_size: int, is_output_rank: bool = True) -> types.SimpleNamespace:
+    return types.SimpleNamespace(dp_rank=dp_rank, dp_size=dp_size, is_output_rank=is_output_rank)
+
+
+def test_batches_are_sharded_by_the_engines_dp_layout_shared_with_copies_of_the_context(tmp_path) -> None:
+    ctx = _context(tmp_path, rank=1, world_size=2)  # rank 1 of 2 but DP rank 0 of 1: a replica's second rank
+    with pytest.raises(RuntimeError, match=r"DP layout was read before any engine was built"):
+        ctx.local_batch("A")
+    # An engine built through a copy with other options (as plugins' own tests do) sets the job's layout.
+    attrs.evolve(ctx, options=DDPConfig(bucket_cap_mb=1.0))._record_topology(_layout(0, 1))
+    assert ctx.rows == slice(0, BATCH_SIZE)  # the whole batch, not world rank 1's half
+    assert ctx.local_batch("A").batch_size[0] == BATCH_SIZE
+
+
+def test_an_engine_that_changes_its_layout_within_a_job_is_refused_naming_the_backend(tmp_path) -> None:
+    ctx = _context(tmp_path)
+    ctx._record_topology(_layout(0, 1))
+    ctx._record_topology(_layout(0, 1))  # the same layout again is fine
+    with pytest.raises(RuntimeError, match=r"backend 'ddp-tp' changed its layout on rank 0.*dp_size=2"):
+        ctx._record_topology(_layout(0, 2))
+
+
+def test_a_layout_without_an_output_rank_for_every_dp_rank_is_refused(tmp_path) -> None:
+    with pytest.raises(RuntimeError, match=r"backend 'ddp-tp' engine must mark exactly one output rank"):
+        _context(tmp_path)._record_topology(_layout(0, 1, is_output_rank=False))
 
 
 # -- run_conformance refuses bad requests before spawning anything ----------------------------------

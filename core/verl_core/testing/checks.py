@@ -1,9 +1,15 @@
 """The conformance checks. Each runs on every rank of one spawned job against fresh engines.
 
 A check is a function ``(RankContext) -> list[Comparison]``; it raises ``CheckSkipped`` when it
-does not apply (no value role, a single rank). Every rank calls the engine in the same order, so
+does not apply (no value role, a single DP rank). Every rank calls the engine in the same order, so
 the engine's collectives line up; comparisons are local (each rank compares its own share) except
 where a check gathers from all ranks on purpose. ``CHECKS`` lists them in the order they run.
+
+Batches are sharded by the engine's data-parallel layout (``dp_rank`` of ``dp_size``, as the first
+engine of the job reports it), not by the world: the tensor- and pipeline-parallel ranks of one
+model replica all get their DP rank's share, as the trainer sends it. Outputs are compared on
+``is_output_rank`` ranks only; the reported loss, grad norm and learning rate and the exported
+weights on every rank.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from verl_core.testing.tiny import (
     save_tiny_models,
     shard,
 )
+from verl_core.workers.dispatch import Topology, check_topologies
 
 # -- tolerances (fp32 on CPU; measured differences against the reference are ~10x smaller) -------
 
@@ -94,9 +101,23 @@ class CheckSkipped(Exception):
 
 
 @attrs.define
+class JobLayout:
+    """This rank's place in the layout of the job's engines, as the first engine built reported it.
+    Shared by a ``RankContext`` and the copies ``attrs.evolve`` makes of it (other options, say), so
+    that batches and engines agree whichever copy built the first engine."""
+
+    topology: Topology | None = None
+
+
+@attrs.define
 class RankContext:
     """What every check on one rank needs: the backend, this rank's place, the tiny model and the
-    batches, and the reference results (computed once, on first use)."""
+    batches, and the reference results (computed once, on first use).
+
+    ``rank`` and ``world_size`` are the spawned job's; the DP layout that shards the batches
+    (``dp_rank``, ``dp_size``) is the engine's, recorded from the first engine ``engine()`` builds
+    (by this context or a copy of it).
+    """
 
     backend: str
     roles: tuple[str, ...]
@@ -115,6 +136,7 @@ class RankContext:
         },
     )
     _cache: dict[str, Any] = attrs.field(init=False, factory=dict)
+    _layout: JobLayout = attrs.field(factory=JobLayout, repr=False)
 
     # -- engines ---------------------------------------------------------------------------------
 
@@ -141,29 +163,84 @@ class RankContext:
         )
         engine = build_engine(config, role, self.registry)
         engine.initialize()
+        self._record_topology(engine)
         return engine
+
+    def topology(self) -> Topology:
+        """This rank's DP rank, DP size and output-rank flag. Before any check has built an engine,
+        builds one to learn them: a collective, so call it on every rank."""
+        if self._layout.topology is None:
+            self.engine()
+        return self._layout.topology
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's DP rank: whose share of every batch it gets."""
+        return self._recorded_topology().dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        """The engine's DP size: how many shares every batch is split into."""
+        return self._recorded_topology().dp_size
+
+    def _recorded_topology(self) -> Topology:
+        if self._layout.topology is None:
+            raise RuntimeError(
+                "conformance kit bug: the DP layout was read before any engine was built; call "
+                "ctx.engine() or ctx.topology() (on every rank) first"
+            )
+        return self._layout.topology
+
+    def _record_topology(self, engine: Any) -> None:
+        """Keep the first engine's DP layout; refuse a later engine that reports another one (the
+        batches are already sharded by the first)."""
+        mine = Topology(engine.dp_rank, engine.dp_size, engine.is_output_rank)
+        first = self._layout.topology
+        if first is not None:
+            if mine != first:
+                raise RuntimeError(
+                    f"backend '{self.backend}' changed its layout on rank {self.rank}: the first engine of "
+                    f"this job reported {first}, this one {mine}; every engine of one job must report the "
+                    "same dp_rank, dp_size and is_output_rank, since the job's batches are sharded by the "
+                    "first (for engines of another layout, use another RankContext)"
+                )
+            return
+        topologies: list[Any] = [mine]
+        if dist.is_initialized():
+            topologies = [None] * dist.get_world_size()
+            dist.all_gather_object(topologies, mine)
+        # What the trainer requires too: one DP size, and one output rank per DP rank (the kit
+        # compares each DP share's outputs on the rank that owns them).
+        check_topologies(topologies, f"backend '{self.backend}'")
+        if BATCH_SIZE % mine.dp_size:
+            raise ValueError(
+                f"backend '{self.backend}' reports dp_size={mine.dp_size} at world_size={self.world_size}, "
+                f"which does not divide the conformance batch of {BATCH_SIZE} sequences; use a world size "
+                f"whose DP size divides {BATCH_SIZE}"
+            )
+        self._layout.topology = mine
 
     # -- batches ---------------------------------------------------------------------------------
 
     @property
     def rows(self) -> slice:
-        """This rank's rows of every batch."""
-        return shard(self.samples["A"], self.rank, self.world_size)
+        """This rank's rows of every batch: its DP rank's share."""
+        return shard(self.samples["A"], self.dp_rank, self.dp_size)
 
-    def share(self, name: str, rank: int) -> list[Sample]:
-        """The samples of batch ``name`` that DP rank ``rank`` trains on."""
-        return self.samples[name][shard(self.samples[name], rank, self.world_size)]
+    def share(self, name: str, dp_rank: int) -> list[Sample]:
+        """The samples of batch ``name`` that DP rank ``dp_rank`` trains on."""
+        return self.samples[name][shard(self.samples[name], dp_rank, self.dp_size)]
 
     def local_batch(self, name: str) -> TensorDict:
         """This rank's share of batch ``name`` (fresh: engines attach counts to what they get)."""
-        batch = collate(self.share(name, self.rank))
+        batch = collate(self.share(name, self.dp_rank))
         batch.set_non_tensor(TEMPERATURE, KIT_TEMPERATURE)
         batch.set_non_tensor(COMPUTE_ENTROPY, True)
         return batch
 
     def local_token_mask(self) -> torch.Tensor:
         """Where this rank's share of batch A has response tokens."""
-        return response_token_mask(collate(self.share("A", self.rank)))
+        return response_token_mask(collate(self.share("A", self.dp_rank)))
 
     # -- reference -------------------------------------------------------------------------------
 
@@ -345,7 +422,7 @@ def check_first_step(ctx: RankContext) -> list[Comparison]:
 
 def micro_batch_splits(ctx: RankContext) -> dict[str, MicroBatchConfig]:
     """The splits whose results must not differ: one sequence, the whole share, a token budget."""
-    local_size = len(ctx.share("A", ctx.rank))
+    local_size = len(ctx.share("A", ctx.topology().dp_rank))
     return {
         "micro_batch_size=1": MicroBatchConfig(micro_batch_size=1),
         f"micro_batch_size={local_size} (whole share)": MicroBatchConfig(micro_batch_size=local_size),
@@ -401,18 +478,22 @@ def _outputs_and_first_step(
 
 
 def check_dp_invariance(ctx: RankContext) -> list[Comparison]:
-    if ctx.world_size == 1:
-        raise CheckSkipped("needs world_size > 1: data-parallel invariance is checked at 2 or more ranks")
-    tokens = [sum(int(s.loss_mask.sum()) for s in ctx.share("A", rank)) for rank in range(ctx.world_size)]
+    engine = ctx.engine()
+    if ctx.dp_size == 1:
+        raise CheckSkipped(
+            f"needs 2 or more DP ranks: backend '{ctx.backend}' has dp_size=1 at world_size={ctx.world_size} "
+            "(data-parallel invariance is checked at a world size that gives dp_size > 1)"
+        )
+    tokens = [sum(int(s.loss_mask.sum()) for s in ctx.share("A", dp_rank)) for dp_rank in range(ctx.dp_size)]
     if len(set(tokens)) == 1:
         raise RuntimeError(
             f"conformance kit bug: the DP shares must carry unequal token counts, got {tokens}"
         )
-    engine = ctx.engine()
     metrics = train_step(engine, ctx.local_batch("A"))
     params = exported(engine)
-    comparisons = _compare_first_step(ctx, "dp_invariance", metrics, params, f"{tokens} tokens per rank: ")
-    # Every rank must end the step with the same weights and report the same global numbers.
+    comparisons = _compare_first_step(ctx, "dp_invariance", metrics, params, f"{tokens} tokens per DP rank: ")
+    # Every rank (every DP rank, and every model-parallel rank of a replica) must end the step with
+    # the same weights and report the same global numbers.
     mine = {"loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"), "params": params}
     gathered: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(gathered, mine)
@@ -562,7 +643,8 @@ def check_hf_export(ctx: RankContext) -> list[Comparison]:
                 ctx.rank,
                 False,
                 f"{path}/config.json does not exist yet on this rank: save_hf_model returned before the "
-                "writing rank finished (end it with a barrier over the DP group)",
+                "writing rank finished (end it with a barrier over every rank that calls it: the DP group, "
+                "or the world for a model-parallel engine)",
             )
         ]
     loaded = reference.load_reference_model(path, "lm")
@@ -584,7 +666,7 @@ def check_hf_export(ctx: RankContext) -> list[Comparison]:
         ]
     # The export's own config decides its logits: a wrong rope_theta, norm epsilon or head count
     # shows here even when every tensor is right.
-    from_export = reference.reference_outputs(loaded, ctx.share("A", ctx.rank), "lm", KIT_TEMPERATURE)
+    from_export = reference.reference_outputs(loaded, ctx.share("A", ctx.dp_rank), "lm", KIT_TEMPERATURE)
     for name in ("log_probs", "entropy"):
         comparisons.append(
             compare_tensors(
@@ -762,7 +844,8 @@ CHECKS: dict[str, Check] = {
         Check(
             "dp_invariance",
             check_dp_invariance,
-            "ranks with unequal token counts together equal the single-process full batch, and agree",
+            "DP ranks with unequal token counts together equal the single-process full batch, and all "
+            "ranks agree",
         ),
         Check(
             "lr_schedule",

@@ -11,7 +11,7 @@ Subclass it in a test module, name the backend, done::
 Each world size is one spawned run (class-scoped, so it runs once); there is one test per check of
 ``CHECKS`` (``test_conformance[world_size=2-first_step]``), each asserting its check's part of that
 run's report, with a message saying what differed and by how much. A check that cannot be exercised
-on the device or world size (offload on the CPU, DP invariance on one rank) is skipped with the
+on the device or world size (offload on the CPU, DP invariance with one DP rank) is skipped with the
 reason, never passed.
 """
 

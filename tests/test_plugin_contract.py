@@ -169,3 +169,33 @@ def test_each_defect_fails_exactly_its_test(outcomes, backend) -> None:
     if backend == "mismatched":  # build_engine refuses the mismatch too, so the engine test cannot run
         others.pop("test_an_engine_refuses_to_compute_before_initialize")
     assert set(others.values()) == {"PASSED"}, outcomes["report"]
+
+
+def test_an_options_table_must_list_every_option_with_its_default(tmp_path) -> None:
+    from verl_core.plugins import Registry
+    from verl_core.testing import PluginContract
+
+    rows = {
+        "bucket_cap_mb": "25.0",
+        "find_unused_parameters": "false",
+        "gradient_as_bucket_view": "true",
+        "forward_sync_buffers": "false",
+        "static_graph": "false",
+    }
+
+    def check(table: dict[str, str]) -> None:
+        doc = tmp_path / "ddp.md"
+        doc.write_text("".join(f"| `{name}` | `{default}` | meaning |\n" for name, default in table.items()))
+
+        class Contract(PluginContract):
+            distribution = "verl-ddp"
+            options_docs = {"ddp": doc}
+
+        registry = Registry.from_plugins(autoload=True)
+        Contract().test_the_options_tables_document_every_option_with_its_default(registry)
+
+    check(rows)
+    with pytest.raises(AssertionError, match="the options table lists"):
+        check({name: default for name, default in rows.items() if name != "static_graph"})
+    with pytest.raises(AssertionError, match="`bucket_cap_mb` is documented as 8"):
+        check({**rows, "bucket_cap_mb": "8"})

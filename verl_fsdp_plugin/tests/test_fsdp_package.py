@@ -3,6 +3,8 @@ point, light listing, descriptor, options structure and round trip)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from verl_core.testing import PluginContract
 
 
@@ -13,3 +15,4 @@ class TestPlugin(PluginContract):
     options_examples = {
         "fsdp": {"param_dtype": "bfloat16", "reduce_dtype": "float32", "shard_modules": ["Qwen2DecoderLayer"]}
     }
+    options_docs = {"fsdp": Path(__file__).parents[2] / "docs" / "backends" / "fsdp.md"}

@@ -4,14 +4,10 @@ trip), the layout's configuration errors, the engine's guards, and the unsharded
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from types import SimpleNamespace
 
-import attrs
 import pytest
 import torch
-import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
@@ -77,15 +73,6 @@ def test_shard_size_must_divide_the_data_parallel_ranks(dp_size, shard_size) -> 
     [(path, message)] = caught.value.errors
     assert path == "actor.engine.fsdp.shard_size"
     assert str([n for n in range(1, dp_size + 1) if dp_size % n == 0]) in message
-
-
-def test_the_options_table_documents_every_option_with_its_default() -> None:
-    doc = (Path(__file__).parents[2] / "docs" / "backends" / "fsdp.md").read_text()
-    rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", doc, flags=re.MULTILINE))
-    defaults = {field.name: field.default for field in attrs.fields(FSDPConfig)}
-    assert sorted(rows) == sorted(defaults)
-    for name, default in defaults.items():
-        assert yaml.safe_load(rows[name]) == (list(default) if isinstance(default, tuple) else default), name
 
 
 def test_shard_modules_must_be_class_names() -> None:

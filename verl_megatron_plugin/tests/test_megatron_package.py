@@ -4,6 +4,7 @@ point, light listing, descriptor, options structure and round trip), and what it
 from __future__ import annotations
 
 import importlib.metadata
+from pathlib import Path
 
 from packaging.requirements import Requirement
 
@@ -26,6 +27,7 @@ class TestPlugin(PluginContract):
             "cpu_bridge": True,
         }
     }
+    options_docs = {"megatron": Path(__file__).parents[2] / "docs" / "backends" / "megatron.md"}
 
 
 def test_pulls_in_megatron_core_and_what_it_imports_undeclared():

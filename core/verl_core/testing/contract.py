@@ -25,7 +25,9 @@ What it asserts, each as its own test:
   class, and a description;
 - the options structure from a run config's section (``actor.engine.<backend>: {...}``), round-trip
   through plain data (defaults and the example), and an unknown key is refused at its full path;
-- an engine built but not initialised refuses to compute, naming ``initialize()``.
+- an engine built but not initialised refuses to compute, naming ``initialize()``;
+- with ``options_docs``: each backend's documentation has an options table (rows of
+  ``| `name` | `default` | meaning |``) listing every option of its options class with its default.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class PluginContract:
     #: The engine backends it provides, each with a non-default options mapping as it would appear in
     #: a run config under ``actor.engine.<backend>`` (``{}`` for a backend without options).
     options_examples: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: Backend -> the Markdown file documenting its options (empty: not checked).
+    options_docs: ClassVar[dict[str, Any]] = {}
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -197,3 +201,28 @@ class PluginContract:
             )
             with pytest.raises(RuntimeError, match=r"initialize\(\)"):
                 engine.infer_batch(collate(make_samples(0)[:2]))
+
+    def test_the_options_tables_document_every_option_with_its_default(self, registry: Any) -> None:
+        import re
+        from pathlib import Path
+
+        import attrs
+        import yaml
+
+        if not self.options_docs:
+            pytest.skip("no options_docs: set options_docs = {'<backend>': '<path of its options table>'}")
+        for name, path in self.options_docs.items():
+            options_class = registry.entry("engine_backends", name).load("config")
+            rows = dict(
+                re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", Path(path).read_text(), flags=re.MULTILINE)
+            )
+            defaults = {field.name: field.default for field in attrs.fields(options_class)}
+            assert sorted(rows) == sorted(defaults), (
+                f"{path}: the options table lists {sorted(rows)}, {options_class.__qualname__} has {sorted(defaults)}"
+            )
+            for option, default in defaults.items():
+                documented = yaml.safe_load(rows[option])
+                expected = list(default) if isinstance(default, tuple) else default
+                assert documented == expected, (
+                    f"{path}: `{option}` is documented as {documented!r}, defaults to {expected!r}"
+                )

@@ -1,10 +1,10 @@
 """Dispatch by the engine's topology: which rows of a batch go to which rank, and how results come back.
 
 A worker group's ranks report their ``Topology`` (DP rank, DP size, whether they own outputs). A batch
-is split over the DP size, not the world size: each DP shard goes to every rank of its DP group (the
-tensor-, pipeline- and sequence-parallel ranks of one DP group see the same shard), and outputs are
-taken from the ranks that own them, one per DP group. Sequences are balanced across DP ranks by
-length, so that no rank waits for the one holding all the long responses.
+is split over the DP size, not the world size: each DP shard goes to every rank with that DP rank (the
+tensor- and pipeline-parallel ranks of one model replica see the same shard), and outputs are taken
+from the ranks that own them, one per DP rank. Sequences are balanced across DP ranks by length, so
+that no rank waits for the one holding all the long responses.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ from verl_core.engine import (
 from verl_core.errors import ConfigError
 from verl_megatron.config import MegatronConfig, check_layout
 from verl_megatron.hf_config import megatron_model_config
-from verl_megatron.weights import Heads, TensorMap, hf_order, tensor_maps
+from verl_megatron.weights import Heads, TensorMap, hf_order, padded_vocab_size, tensor_maps
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -101,6 +101,7 @@ class MegatronEngine(BaseEngine):
         self._params: dict[str, torch.nn.Parameter] = {}  # global megatron-core name -> this rank's shard
         self._stage_of: dict[str | int, int] = {}  # TensorMap.stage -> pipeline rank holding it
         self._optimizer_device = self.device
+        self._vocab_size = 0  # the Hugging Face vocabulary (megatron-core's may be padded for TP)
 
     # -- layout ----------------------------------------------------------------------------------
 
@@ -132,6 +133,16 @@ class MegatronEngine(BaseEngine):
         if self.chunks:
             raise RuntimeError("MegatronEngine.initialize() was already called")
         validate_optim_config(self.config.optim, f"{self.config_path}.optim")
+        if self.config.model.compile_layers:
+            raise ConfigError(
+                [
+                    (
+                        f"{self.config_path}.model.compile_layers",
+                        "compiles Hugging Face decoder layers, and the megatron backend runs megatron-core's "
+                        "own: unset it",
+                    )
+                ]
+            )
         self._check_device_and_bridge()
         hf_model = load_hf_model(
             self.config.model, self.role, seed=self.config.seed, where=f"{self.config_path}.model"
@@ -148,8 +159,19 @@ class MegatronEngine(BaseEngine):
 
         from verl_megatron.model import build_model_chunks, transformer_config
 
+        vocab = model["gpt"]["vocab_size"]
+        padded_vocab = padded_vocab_size(vocab, self.tp_size)
+        model["gpt"]["vocab_size"] = padded_vocab
+        self._vocab_size = vocab
         dtype = hf_model.dtype
-        config = transformer_config(model, self.options, dtype, transformer_engine)
+        config = transformer_config(
+            model,
+            self.options,
+            dtype,
+            transformer_engine,
+            gloo=dist.get_backend() == "gloo",
+            recompute=self.config.model.gradient_checkpointing,
+        )
         model_parallel_cuda_manual_seed(self.config.seed)
         self.chunks = build_model_chunks(model, config, self.role, transformer_engine, self.device)
         self._heads = Heads.of(model["transformer"])
@@ -159,6 +181,7 @@ class MegatronEngine(BaseEngine):
             model["gpt"]["share_embeddings_and_output_weights"],
             model["transformer"]["add_qkv_bias"],
             fused_norms=transformer_engine,
+            vocab=(vocab, padded_vocab),
         )
         self._params = self._global_parameter_names()
         self._stage_of = self._pipeline_ranks_of_stages()
@@ -171,7 +194,28 @@ class MegatronEngine(BaseEngine):
         self.offload_per_config("cpu")
 
     def _check_device_and_bridge(self) -> None:
+        """On the CPU megatron-core runs only through the opt-in bridge; it needs a process group."""
         where = f"{self._options_path}.cpu_bridge"
+        if self.device.type == "cpu" and not self.options.cpu_bridge:
+            raise ConfigError(
+                [
+                    (
+                        where,
+                        "false, and the engine runs on the CPU: megatron-core assumes CUDA; set "
+                        f"{where}: true to run it on the CPU (tests and development, "
+                        "docs/backends/megatron.md), or use device: cuda",
+                    )
+                ]
+            )
+        if self.device.type != "cpu" and self.options.cpu_bridge:
+            raise ConfigError(
+                [
+                    (
+                        where,
+                        f"true, but the engine runs on {self.device}, where megatron-core runs unpatched: unset it",
+                    )
+                ]
+            )
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 [
@@ -183,29 +227,9 @@ class MegatronEngine(BaseEngine):
                 ]
             )
         if self.device.type == "cpu":
-            if not self.options.cpu_bridge:
-                raise ConfigError(
-                    [
-                        (
-                            where,
-                            "false, and the engine runs on the CPU: megatron-core assumes CUDA; set "
-                            f"{where}: true to run it on the CPU (tests and development, "
-                            "docs/backends/megatron.md), or use device: cuda",
-                        )
-                    ]
-                )
             from verl_megatron import cpu_bridge
 
             cpu_bridge.enable()
-        elif self.options.cpu_bridge:
-            raise ConfigError(
-                [
-                    (
-                        where,
-                        f"true, but the engine runs on {self.device}: megatron-core runs unpatched there; unset it",
-                    )
-                ]
-            )
         else:
             torch.cuda.set_device(self.device)
 
@@ -218,7 +242,10 @@ class MegatronEngine(BaseEngine):
         state = self._parallel_state()
         wanted = (self.tp_size, self.pp_size, self.options.virtual_pipeline_model_parallel_size)
         if not state.model_parallel_is_initialized():
-            state.initialize_model_parallel(*wanted)
+            # megatron-core's groups would wait 30 minutes in a hung collective; they get the job's limit.
+            state.initialize_model_parallel(
+                *wanted, distributed_timeout_minutes=self._collective_timeout_minutes()
+            )
             return
         current = (
             state.get_tensor_model_parallel_world_size(),
@@ -236,6 +263,15 @@ class MegatronEngine(BaseEngine):
                     )
                 ]
             )
+
+    def _collective_timeout_minutes(self) -> int:
+        """The world group's collective timeout (what the job set at ``init_process_group``), in whole
+        minutes; megatron-core's default (30) where torch does not say."""
+        try:
+            seconds = dist.group.WORLD._get_backend(self.device).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):  # private API: other backends or torch releases
+            return 30
+        return max(1, math.ceil(seconds / 60))
 
     def _global_parameter_names(self) -> dict[str, torch.nn.Parameter]:
         """This rank's parameters under the names ``tensor_maps`` uses (global layer indices)."""
@@ -415,8 +451,7 @@ class MegatronEngine(BaseEngine):
                 losses.append(float(loss.detach()))
                 for name, value in loss_metrics.items():
                     metrics.setdefault(name, []).append(float(value))
-                # The schedule divides by the micro-batch count; the loss is normalised already.
-                return loss * count, {}
+                return self._undo_schedule_averaging(loss, count), {}
 
             return output, loss_func
 
@@ -439,6 +474,12 @@ class MegatronEngine(BaseEngine):
             result_outputs = TensorDict(restored, batch_size=batch.batch_size[:1], device=None)
         return ForwardBackwardResult(outputs=result_outputs, loss=loss, metrics=metrics)
 
+    @staticmethod
+    def _undo_schedule_averaging(loss: torch.Tensor, count: int) -> torch.Tensor:
+        """megatron-core's schedule divides each micro-batch loss by the micro-batch count; the
+        contract's losses are globally normalised already (their sum is the step's loss)."""
+        return loss * count
+
     def _outputs(self, output: torch.Tensor, micro_batch: TensorDict) -> dict[str, torch.Tensor]:
         """The batch contract's outputs from the last stage's ``[b, s, .]`` logits or values."""
         responses = micro_batch[RESPONSES]
@@ -446,6 +487,7 @@ class MegatronEngine(BaseEngine):
         if self.role == "value":
             return {VALUES: predicting.squeeze(-1).float()}
         temperature, compute_entropy = forward_options(micro_batch)
+        predicting = predicting[..., : self._vocab_size]  # rows padded for TP are no tokens
         log_probs, entropy = log_probs_and_entropy(predicting, responses, temperature, compute_entropy)
         return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
 

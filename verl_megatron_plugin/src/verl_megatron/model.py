@@ -44,9 +44,13 @@ def transformer_config(
     options: MegatronConfig,
     dtype: torch.dtype,
     transformer_engine: bool,
+    gloo: bool = False,
+    recompute: bool = False,
 ) -> TransformerConfig:
     """``TransformerConfig`` for ``model`` (``hf_config.megatron_model_config``'s result) laid out by
-    ``options``. Fusions that need transformer-engine or apex kernels are off without them."""
+    ``options``. Fusions that need transformer-engine or apex kernels are off without them; ``gloo``:
+    the pipeline stages talk over gloo (the CPU); ``recompute``: ``model.gradient_checkpointing``, as
+    megatron-core's full recomputation of every layer."""
     values = dict(model["transformer"])
     values["activation_func"] = ACTIVATIONS[values.pop("activation")]
     return TransformerConfig(
@@ -76,6 +80,16 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        # Batched p2p (one group of isend/irecv) relies on NCCL's pairing; gloo pairs messages between two
+        # ranks in posting order, which swaps activations and gradients when a stage's previous and next
+        # stage are the same rank (2 stages, interleaved). Megatron's unbatched path orders them by rank
+        # parity, which pairs them right on both.
+        batch_p2p_comm=not gloo,
+        **(
+            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+            if recompute
+            else {}
+        ),
     )
 
 

@@ -55,6 +55,10 @@ class TensorMap:
     megatron_name: str
     split: Split
     stage: str | int
+    #: For the vocabulary's rows (embedding, LM head): ``(rows, padded rows)``. megatron-core splits
+    #: them evenly over the TP ranks, so a vocabulary that TP does not divide gets zero rows appended
+    #: (never looked up, their logits cut off: they change nothing and stay zero).
+    vocab: tuple[int, int] | None = None
 
     def to_megatron(
         self, hf: Sequence[torch.Tensor], tp_rank: int, tp_size: int, heads: Heads
@@ -62,6 +66,9 @@ class TensorMap:
         """This TP rank's shard of the megatron-core parameter, from the Hugging Face tensors."""
         if self.split == "replicated":
             return hf[0]
+        if self.vocab is not None:
+            rows, padded = self.vocab
+            hf = [torch.cat([hf[0], hf[0].new_zeros(padded - rows, *hf[0].shape[1:])])]
         if self.split in ("column", "row"):
             return hf[0].chunk(tp_size, dim=0 if self.split == "column" else 1)[tp_rank]
         if self.split == "fc1":
@@ -73,6 +80,8 @@ class TensorMap:
         """The Hugging Face tensors from every TP rank's shard, in TP rank order."""
         if self.split == "replicated":
             return [shards[0]]
+        if self.vocab is not None:
+            return [torch.cat(list(shards))[: self.vocab[0]]]
         if self.split in ("column", "row"):
             return [torch.cat(list(shards), dim=0 if self.split == "column" else 1)]
         if self.split == "fc1":
@@ -96,20 +105,31 @@ def _split_qkv(fused: torch.Tensor, heads: Heads) -> list[torch.Tensor]:
     return [t.reshape(-1, *rest) for t in (q, k, v)]
 
 
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """The vocabulary megatron-core holds: the next multiple of the TP size."""
+    return -(-vocab_size // tp_size) * tp_size
+
+
 def tensor_maps(
     num_layers: int,
     role: str,
     tied_embeddings: bool,
     qkv_bias: bool,
     fused_norms: bool = False,
+    vocab: tuple[int, int] | None = None,
 ) -> list[TensorMap]:
     """Every tensor of the Hugging Face model, in the order of its state dict.
 
     ``role``: ``lm`` (``lm_head``) or ``value`` (``score``, a one-label token-classification head);
     ``fused_norms``: transformer-engine layers, which hold the pre-attention and pre-MLP norms inside
-    ``linear_qkv`` and ``linear_fc1``. A tied ``lm_head`` maps to the embedding (``first``).
+    ``linear_qkv`` and ``linear_fc1``; ``vocab``: ``(vocab_size, padded_vocab_size(...))`` when they
+    differ. A tied ``lm_head`` maps to the embedding (``first``).
     """
-    maps = [TensorMap(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", "column", "first")]
+    vocab = vocab if vocab is not None and vocab[0] != vocab[1] else None
+    embedding = TensorMap(
+        ("model.embed_tokens.weight",), "embedding.word_embeddings.weight", "column", "first", vocab
+    )
+    maps = [embedding]
     input_norm = "self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight"
     mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms else "pre_mlp_layernorm.weight"
     for layer in range(num_layers):
@@ -154,9 +174,11 @@ def tensor_maps(
             TensorMap(("score.bias",), "output_layer.bias", "replicated", "last"),
         ]
     elif tied_embeddings:
-        maps.append(TensorMap(("lm_head.weight",), "embedding.word_embeddings.weight", "column", "first"))
+        maps.append(
+            TensorMap(("lm_head.weight",), "embedding.word_embeddings.weight", "column", "first", vocab)
+        )
     else:
-        maps.append(TensorMap(("lm_head.weight",), "output_layer.weight", "column", "last"))
+        maps.append(TensorMap(("lm_head.weight",), "output_layer.weight", "column", "last", vocab))
     return maps
 
 

@@ -134,7 +134,9 @@ def install_check(session: nox.Session) -> None:
                 f"expected one '{backend}' backend from distribution {distribution} with status ok, got {found}"
             )
     _check_fsdp_plugin_version(session, venv)
-    _run_python(session, venv, "import verl_megatron.engine")  # megatron-core and its undeclared imports
+    _run_python(
+        session, venv, "import verl_megatron.model"
+    )  # imports megatron-core and what it needs undeclared
     _check_core_imported_from_site_packages(session, venv)
 
     venv = _fresh_venv(session, "core")

@@ -505,11 +505,12 @@ def test_a_hanging_engine_is_killed_at_the_timeout() -> None:
 
 
 class TestEmulatedModelParallelConformance(EngineConformance):
-    """The whole kit on a correct engine whose DP groups are not the world: at two ranks one replica
-    on two ranks (dp_size 1, so dp_invariance is skipped), at four two replicas (dp_size 2)."""
+    """The whole kit on a correct engine whose DP groups are not the world: at four ranks two replicas
+    of two ranks each (dp_size 2, so dp_invariance runs too; the broken variants below run at two
+    ranks, one replica)."""
 
     backend = "ddp-emulated-model-parallel"
-    world_sizes = (2, 4)
+    world_sizes = (4,)
     plugins = (THIS_PLUGIN,)
     autoload = False
 

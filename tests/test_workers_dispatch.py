@@ -8,11 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from verl_core.engine.topology import Topology, check_topologies
 from verl_core.errors import ConfigError
 from verl_core.workers.dispatch import (
-    Topology,
     balanced_shards,
-    check_topologies,
     gather_outputs,
     restore_order,
     shards_for_ranks,

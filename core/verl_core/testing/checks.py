@@ -28,6 +28,7 @@ from tensordict import TensorDict
 from verl_core.config.engine import EngineConfig, MicroBatchConfig, ModelConfig, OptimConfig
 from verl_core.engine.base import COMPUTE_ENTROPY, TEMPERATURE, BaseEngine
 from verl_core.engine.checkpoint import MARKER_FILE
+from verl_core.engine.topology import Topology, check_topologies
 from verl_core.testing import reference
 from verl_core.testing.losses import TEMPERATURE as KIT_TEMPERATURE
 from verl_core.testing.losses import policy_loss_fn, value_loss_fn
@@ -50,7 +51,6 @@ from verl_core.testing.tiny import (
     save_tiny_models,
     shard,
 )
-from verl_core.workers.dispatch import Topology, check_topologies
 
 # -- tolerances (fp32 on CPU; measured differences against the reference are ~10x smaller) -------
 

@@ -11,37 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import attrs
 import torch
 from tensordict import TensorDict
 
 from verl_core.data.batch import ATTENTION_MASK
+from verl_core.engine.topology import Topology
 from verl_core.errors import ConfigError
-
-
-@attrs.frozen
-class Topology:
-    """Where one rank of a worker group sits in its engine's parallel layout."""
-
-    dp_rank: int
-    dp_size: int
-    is_output_rank: bool
-
-
-def check_topologies(topologies: Sequence[Topology], role: str) -> int:
-    """The DP size the ranks agree on; a layout where they do not, or where some DP rank owns no
-    outputs, is an error naming the role (an engine bug: the trainer could not collect results)."""
-    sizes = {t.dp_size for t in topologies}
-    if len(sizes) != 1:
-        raise RuntimeError(f"the {role} ranks disagree on their data-parallel size: {sorted(sizes)}")
-    (dp_size,) = sizes
-    owners = sorted(t.dp_rank for t in topologies if t.is_output_rank)
-    if owners != list(range(dp_size)):
-        raise RuntimeError(
-            f"the {role} engine must mark exactly one output rank per data-parallel rank, got output ranks "
-            f"for DP ranks {owners} of {dp_size}"
-        )
-    return dp_size
 
 
 def balanced_shards(lengths: Sequence[int], dp_size: int) -> list[torch.Tensor]:

@@ -15,11 +15,10 @@ import torch
 from tensordict import TensorDict
 
 from verl_core.data.batch import concat_batches
+from verl_core.engine.topology import Topology, check_topologies
 from verl_core.errors import ConfigError
 from verl_core.rollout.base import SamplingParams
 from verl_core.workers.dispatch import (
-    Topology,
-    check_topologies,
     gather_outputs,
     restore_order,
     shards_for_ranks,

@@ -20,7 +20,8 @@ from verl_core.algos.aggregation import TOKEN_MEAN, agg_loss
 from verl_core.config.run import RunConfig
 from verl_core.data.batch import RESPONSE_MASK, get_global_counts
 from verl_core.engine import COMPUTE_ENTROPY, LOG_PROBS, TEMPERATURE, build_engine
-from verl_core.workers.dispatch import Topology, gather_outputs, shards_for_ranks, split_batch
+from verl_core.engine.topology import Topology
+from verl_core.workers.dispatch import gather_outputs, shards_for_ranks, split_batch
 from verl_core.workers.roles import Role
 from verl_core.workers.workers import engine_topology, mean_metrics, mini_batches, skipped_steps
 

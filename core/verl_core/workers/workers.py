@@ -29,9 +29,9 @@ from verl_core.data.batch import (
     get_global_counts,
 )
 from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE, BaseEngine, build_engine
+from verl_core.engine.topology import Topology
 from verl_core.hookspecs import ROLLOUT_BACKENDS
 from verl_core.rollout.base import ROLLOUT_LOG_PROBS, SamplingParams
-from verl_core.workers.dispatch import Topology
 
 
 def engine_topology(engine: BaseEngine) -> Topology:

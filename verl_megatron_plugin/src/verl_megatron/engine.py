@@ -10,7 +10,8 @@ megatron-core parameter and TP shard) and go back under Hugging Face names, one 
 time, for the rollout and for ``save_hf_model``. Training runs megatron-core's own pieces: its
 ``DistributedDataParallel`` (gradients reduced in fp32 buffers, averaged over DP), its optimiser
 (``get_megatron_optimizer``: AdamW, optionally the distributed optimiser), and
-``get_forward_backward_func`` for the micro-batches (1F1B, interleaved with virtual stages). The
+``get_forward_backward_func`` for the micro-batches (1F1B, interleaved with virtual stages); log-probs
+and entropy from vocabulary-parallel logits (``verl_megatron.vocab_parallel``). The
 loss follows the engine contract: each micro-batch's loss is already globally normalised, so the
 schedule's averaging over micro-batches is undone, and nothing depends on the micro-batch count,
 TP or PP. Checkpoints are megatron-core ``dist_checkpointing`` directories (model, optimiser),
@@ -62,6 +63,7 @@ from verl_core.engine import (
 from verl_core.errors import ConfigError
 from verl_megatron.config import MegatronConfig, check_layout
 from verl_megatron.hf_config import megatron_model_config
+from verl_megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
 from verl_megatron.weights import Heads, TensorMap, hf_order, padded_vocab_size, tensor_maps
 
 if TYPE_CHECKING:
@@ -111,6 +113,9 @@ class MegatronEngine(BaseEngine):
 
     @property
     def is_output_rank(self) -> bool:
+        """The last pipeline stage's TP rank 0 (known once ``initialize()`` set up the layout)."""
+        if not self.chunks:
+            return super().is_output_rank
         state = self._parallel_state()
         return state.is_pipeline_last_stage() and state.get_tensor_model_parallel_rank() == 0
 
@@ -222,7 +227,9 @@ class MegatronEngine(BaseEngine):
                     (
                         self.config_path,
                         "the megatron backend needs an initialised torch.distributed process group (one rank "
-                        "suffices): call torch.distributed.init_process_group before initialize()",
+                        "suffices): in the trainer set trainer.workers=ray (its workers form one, also for "
+                        "trainer.world_size=1); embedding the engine, call torch.distributed.init_process_group "
+                        "before initialize()",
                     )
                 ]
             )
@@ -438,7 +445,7 @@ class MegatronEngine(BaseEngine):
                 input_ids=micro_batch[INPUT_IDS],
                 position_ids=micro_batch[POSITION_IDS],
                 attention_mask=_attention_mask(micro_batch[ATTENTION_MASK]),
-                runtime_gather_output=True,  # whole-vocabulary logits on every TP rank
+                runtime_gather_output=False,  # each TP rank keeps its vocabulary columns
             )
 
             def loss_func(output_tensor):
@@ -487,8 +494,19 @@ class MegatronEngine(BaseEngine):
         if self.role == "value":
             return {VALUES: predicting.squeeze(-1).float()}
         temperature, compute_entropy = forward_options(micro_batch)
-        predicting = predicting[..., : self._vocab_size]  # rows padded for TP are no tokens
-        log_probs, entropy = log_probs_and_entropy(predicting, responses, temperature, compute_entropy)
+        if self.tp_size == 1:
+            log_probs, entropy = log_probs_and_entropy(predicting, responses, temperature, compute_entropy)
+        else:
+            state = self._parallel_state()
+            log_probs, entropy = vocab_parallel_log_probs_and_entropy(
+                predicting,
+                responses,
+                temperature,
+                compute_entropy,
+                vocab_start=state.get_tensor_model_parallel_rank() * predicting.shape[-1],
+                vocab_size=self._vocab_size,  # columns padded for TP are no tokens
+                group=state.get_tensor_model_parallel_group(),
+            )
         return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
 
     def _from_last_stage(

@@ -84,7 +84,7 @@ class _CUDAOnCPU(TorchFunctionMode):
             return name.replace("torch.", "torch.cuda.", 1) if not args[0].is_cuda else name
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": torch.device("cpu")}
-        if func in (torch.Tensor.to,) and args and len(args) > 1 and _is_cuda(args[1]):
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], torch.device("cpu"), *args[2:])
         return func(*args, **kwargs)
 

@@ -60,6 +60,7 @@ from verl_core.engine import (
     set_rng_state,
     validate_optim_config,
 )
+from verl_core.engine.seed import RNG_FILE
 from verl_core.errors import ConfigError
 from verl_megatron.config import MegatronConfig, check_layout
 from verl_megatron.hf_config import megatron_model_config
@@ -74,7 +75,6 @@ BACKEND = "megatron"
 #: directory for model and optimiser, the engine's own state, and each rank's RNG states.
 DIST_CHECKPOINT_DIR = "dist_checkpoint"
 ENGINE_FILE = "engine_state.pt"  # the LR schedule's position, whether the optimiser state was saved
-RNG_FILE = "rng_rank{rank}.pt"
 #: ``decoder.layers.{local index}.`` in a chunk's parameter names.
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -104,6 +104,8 @@ class MegatronEngine(BaseEngine):
         self._stage_of: dict[str | int, int] = {}  # TensorMap.stage -> pipeline rank holding it
         self._optimizer_device = self.device
         self._vocab_size = 0  # the Hugging Face vocabulary (megatron-core's may be padded for TP)
+        self._export_order: list[tuple[str, TensorMap, int]] = []
+        self._export_shapes: list[torch.Tensor] = []
 
     # -- layout ----------------------------------------------------------------------------------
 
@@ -194,6 +196,11 @@ class MegatronEngine(BaseEngine):
         self.hf_module = load_hf_model(
             self.config.model, self.role, where=f"{self.config_path}.model", on_meta=True
         )
+        # What every export yields, in order: the Hugging Face names with their maps, and the shapes
+        # (meta tensors) of what the stages that do not hold a tensor receive.
+        meta_state = self.hf_module.state_dict()
+        self._export_order = hf_order(self._maps, list(meta_state))
+        self._export_shapes = list(meta_state.values())
         del hf_model
         self._wrap(config)
         self.offload_per_config("cpu")
@@ -527,7 +534,8 @@ class MegatronEngine(BaseEngine):
         return loss, metrics
 
     def optimizer_zero_grad(self) -> None:
-        for chunk in self._initialized_model():
+        self._initialized()
+        for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
 
@@ -580,16 +588,14 @@ class MegatronEngine(BaseEngine):
         tp_group = state.get_tensor_model_parallel_group()
         pp_group = state.get_pipeline_model_parallel_group()
         pp_rank = state.get_pipeline_model_parallel_rank()
-        hf_state = self.hf_module.state_dict()
         joined: tuple[TensorMap | None, list[torch.Tensor]] = (None, [])
-        for name, tensor_map, index in hf_order(self._maps, list(hf_state)):
+        for (name, tensor_map, index), meta in zip(self._export_order, self._export_shapes, strict=True):
             owner = self._stage_of[tensor_map.stage]
             if pp_rank == owner:
                 if joined[0] is not tensor_map:
                     joined = (tensor_map, self._join(tensor_map, tp_group))
                 tensor = joined[1][index]
             else:
-                meta = hf_state[name]
                 tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
             if self.pp_size > 1:
                 dist.broadcast(tensor, src=dist.get_global_rank(pp_group, owner), group=pp_group)
@@ -707,10 +713,6 @@ class MegatronEngine(BaseEngine):
         if not self.chunks:
             raise RuntimeError("MegatronEngine is not initialised: call initialize() first")
         return self.chunks
-
-    def _initialized_model(self) -> list[torch.nn.Module]:
-        self._initialized()
-        return self.model
 
 
 def _model_key(index: int, chunks: int) -> str:

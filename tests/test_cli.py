@@ -13,7 +13,7 @@ from fixtures.fake_dist import backends_plugin, fake_distributions
 
 import verl_core.config
 import verl_core.plugins.registry
-from verl_core import ENGINE_API_VERSION
+from verl_core import ENGINE_API_VERSION, __version__
 from verl_core.cli import BACKEND_COLUMNS, main
 from verl_core.errors import ConfigError
 from verl_core.plugins import ENV_BLOCK, ENV_DISABLE_AUTOLOAD, ENV_PLUGINS, ENV_TRACE, get_registry
@@ -58,7 +58,12 @@ def test_json_rows_one_per_backend_and_one_per_plugin_without_backends(installed
     ]
     assert all(list(row) == list(BACKEND_COLUMNS) for row in rows)
     empty = {"backend": None, "devices": [], "roles": [], "api_version": None}
-    assert rows[0] == {"plugin": "verl_core", "distribution": "verl-core", "version": "0.1.0", **empty} | {
+    assert rows[0] == {
+        "plugin": "verl_core",
+        "distribution": "verl-core",
+        "version": __version__,
+        **empty,
+    } | {
         "status": "ok",
         "error": None,
     }
@@ -93,6 +98,7 @@ def test_table_has_the_same_rows_with_empty_backend_cells(installed, capsys):
         "version",
         "devices",
         "roles",
+        "api_version",
         "status",
         "error",
     ]
@@ -108,10 +114,11 @@ def test_table_has_the_same_rows_with_empty_backend_cells(installed, capsys):
         "0.2",
         "cpu,cuda",
         "lm,value",
+        str(ENGINE_API_VERSION),
         "ok",
     ]
     without_backend = {
-        "verl_core": ["verl-core", "0.1.0", "ok"],
+        "verl_core": ["verl-core", __version__, "ok"],
         "broken": ["broken-dist", "1.0", "broken"],
         "blocked": ["blocked-dist", "1.0", "blocked"],
     }

@@ -5,6 +5,7 @@ Discovery through real entry points of fake distributions is in test_plugins_dis
 
 from __future__ import annotations
 
+import re
 import sys
 from importlib import metadata
 
@@ -12,7 +13,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verl_core import ENGINE_API_VERSION, AdvantageEstimator, EngineBackend, PolicyLoss, hookimpl
+from verl_core import (
+    ENGINE_API_VERSION,
+    AdvantageEstimator,
+    EngineBackend,
+    PolicyLoss,
+    VerlCoreDeprecationWarning,
+    __version__,
+    hookimpl,
+)
 from verl_core.algos import catalog
 from verl_core.errors import ApiVersionError, DuplicateNameError, PluginValidationError, UnknownNameError
 from verl_core.plugins import (
@@ -263,7 +272,7 @@ def test_api_version_mismatch_names_both_versions_and_what_to_upgrade(api_versio
         f"engine backend 'ddp' from plugin 'old' (no distribution) targets engine API version {api_version}"
         in message
     )
-    assert f"verl-core 0.1.0 speaks engine API version {ENGINE_API_VERSION}" in message
+    assert f"verl-core {__version__} speaks engine API version {ENGINE_API_VERSION}" in message
     assert upgrade in message
 
 
@@ -313,7 +322,8 @@ def test_overriding_a_builtin_needs_override_true():
     builtin = catalog.ADVANTAGE_ESTIMATORS[0]
     silent = make_plugin("silent", advantage_estimators=[AdvantageEstimator(builtin.name, len)])
     with pytest.raises(
-        DuplicateNameError, match=r"plugin 'verl_core' \(verl-core 0.1.0\) and plugin 'silent'"
+        DuplicateNameError,
+        match=rf"plugin 'verl_core' \(verl-core {re.escape(__version__)}\) and plugin 'silent'",
     ):
         Registry.from_plugins([silent]).get("advantage_estimators", builtin.name)
     explicit = make_plugin(
@@ -368,20 +378,21 @@ def test_kind_constants_are_the_registry_kinds():
     assert constants == Registry.from_plugins().kinds
 
 
-def test_a_backend_must_state_its_api_version():
-    with pytest.raises(ValueError) as caught:
-        EngineBackend(name="mine", engine="fixtures.engines:Engine", config="fixtures.engines:Config")
-    message = str(caught.value)
-    assert (
-        f"EngineBackend(name='mine'): api_version is required: write api_version={ENGINE_API_VERSION}"
-        in message
-    )
-    assert "as a literal number (not verl_core.ENGINE_API_VERSION" in message
+def test_a_backend_without_api_version_reads_as_1_with_a_deprecation_warning():
+    """verl-core 0.1.0 filled api_version in; since 0.2.0 a literal is expected, and its absence warns."""
+    with pytest.warns(VerlCoreDeprecationWarning) as caught:
+        unstated = EngineBackend(
+            name="mine", engine="fixtures.engines:Engine", config="fixtures.engines:Config"
+        )
+    assert unstated.api_version == 1
+    message = str(caught[0].message)
+    assert "EngineBackend without api_version is deprecated since verl-core 0.2.0" in message
+    assert "api_version=1" in message and "as a literal number (not verl_core.ENGINE_API_VERSION" in message
     with pytest.raises(TypeError, match=r"api_version='1': expected an int"):
         backend("mine", api_version="1")
 
 
-def test_a_plugin_whose_descriptor_lacks_the_api_version_is_broken_with_the_fix():
+def test_a_plugin_whose_descriptor_lacks_the_api_version_still_registers():
     class Unversioned:
         @staticmethod
         @hookimpl
@@ -390,8 +401,6 @@ def test_a_plugin_whose_descriptor_lacks_the_api_version_is_broken_with_the_fix(
                 EngineBackend(name="mine", engine="fixtures.engines:Engine", config="fixtures.engines:Config")
             ]
 
-    registry = Registry.from_plugins([Unversioned])
-    (info,) = [info for info in registry.plugins if info.name == "Unversioned"]
-    assert info.status == "broken"
-    assert "hook verl_engine_backends() raised ValueError" in info.error
-    assert f"api_version is required: write api_version={ENGINE_API_VERSION}" in info.error
+    with pytest.warns(VerlCoreDeprecationWarning, match="EngineBackend without api_version"):
+        registry = Registry.from_plugins([Unversioned])
+    assert registry.entry("engine_backends", "mine").status == "ok"

@@ -1,11 +1,14 @@
 """verl-core: plugin-extensible RL post-training for language models.
 
 This module is the public plugin API and stays light: importing it does not import torch or any
-backend. Engines live in ``verl_core.engine``, algorithms in ``verl_core.algos``.
+backend. Engines live in ``verl_core.engine``, algorithms in ``verl_core.algos``. docs/api.md lists
+every public name and the policy by which they change.
 """
 
+from verl_core.deprecation import VerlCoreDeprecationWarning
 from verl_core.descriptors import (
     ENGINE_API_VERSION,
+    MIN_ENGINE_API_VERSION,
     AdvantageEstimator,
     EngineBackend,
     PolicyLoss,
@@ -14,15 +17,17 @@ from verl_core.descriptors import (
 )
 from verl_core.hookspecs import ENTRY_POINT_GROUP, hookimpl
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ENGINE_API_VERSION",
     "ENTRY_POINT_GROUP",
+    "MIN_ENGINE_API_VERSION",
     "AdvantageEstimator",
     "EngineBackend",
     "PolicyLoss",
     "RewardFunction",
     "RolloutBackend",
+    "VerlCoreDeprecationWarning",
     "hookimpl",
 ]

@@ -19,9 +19,9 @@ from typing import Any
 from verl_core import __version__
 from verl_core.errors import PluginWarning, VerlCoreError
 from verl_core.hookspecs import ENGINE_BACKENDS
-from verl_core.plugins import Entry, PluginInfo, Registry, get_registry
+from verl_core.plugins import Entry, PluginInfo, Registry, get_registry, messages
 
-#: Keys of one ``verl-core plugins --json`` row, in table order (the table leaves out api_version).
+#: Keys of one ``verl-core plugins --json`` row, in table order.
 BACKEND_COLUMNS = (
     "plugin",
     "backend",
@@ -56,7 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-core", description="Plugin-extensible RL post-training.")
-    parser.add_argument("--version", action="version", version=f"verl-core {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=f"verl-core {__version__} ({messages.spoken_api_versions()})"
+    )
     parser.set_defaults(run=None)
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
 
@@ -150,7 +152,7 @@ def _run_plugins(args: argparse.Namespace) -> int:
         document = tables if args.all else tables[ENGINE_BACKENDS]
         print(json.dumps(document, indent=2))
         return 0
-    blocks = [format_table(tables.pop(ENGINE_BACKENDS), [c for c in BACKEND_COLUMNS if c != "api_version"])]
+    blocks = [format_table(tables.pop(ENGINE_BACKENDS), BACKEND_COLUMNS)]
     blocks += [f"{kind}:\n" + format_table(rows, ENTRY_COLUMNS) for kind, rows in tables.items()]
     problems = [] if args.all else problem_notes(registry)
     if problems:

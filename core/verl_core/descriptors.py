@@ -14,9 +14,33 @@ from typing import Any, Literal
 
 import attrs
 
-#: Version of the engine contract (``verl_core.engine.BaseEngine`` and the loss contract).
-#: A backend declares the version it targets; core refuses backends that speak another one.
+from verl_core.deprecation import declare, warn_deprecated
+
+__all__ = [
+    "DEVICES",
+    "ENGINE_API_VERSION",
+    "MIN_ENGINE_API_VERSION",
+    "MODEL_ROLES",
+    "AdvantageEstimator",
+    "EngineBackend",
+    "Loadable",
+    "ModelRole",
+    "PolicyLoss",
+    "RewardFunction",
+    "RolloutBackend",
+    "is_file_spec",
+    "load_object",
+]
+
+#: Version of the engine contract (``verl_core.engine.BaseEngine`` and the loss contract), the newest
+#: one this core speaks. A backend declares the version it targets (``EngineBackend.api_version``).
 ENGINE_API_VERSION = 1
+#: The oldest engine API version core still accepts: backends targeting any version from this one to
+#: ``ENGINE_API_VERSION`` load; others are refused naming both sides' versions (docs/api.md's policy).
+MIN_ENGINE_API_VERSION = 1
+#: What ``EngineBackend(api_version=...)`` meant before it had to be stated: verl-core 0.1.0 filled in
+#: its own version, 1.
+UNSTATED_API_VERSION = 1
 
 ModelRole = Literal["lm", "value"]
 #: ``lm``: a language-model head producing per-token log-probs (policy, reference);
@@ -82,14 +106,22 @@ def _check_members(allowed: tuple[str, ...]) -> Callable[[Any, attrs.Attribute, 
     return check
 
 
+#: verl-core 0.1.0 defaulted ``EngineBackend.api_version``; a literal is expected since 0.2.0.
+UNSTATED_API_VERSION_DEPRECATION = declare(
+    "EngineBackend without api_version",
+    since="0.2.0",
+    removed_in="0.4.0",
+    replacement=(
+        f"EngineBackend(..., api_version={UNSTATED_API_VERSION}), the engine API version your engine "
+        "implements, as a literal number (not verl_core.ENGINE_API_VERSION, which follows whatever core is "
+        "installed and so could never refuse a mismatch)"
+    ),
+)
+
+
 def _check_api_version(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is None:
-        raise ValueError(
-            f"{type(instance).__name__}(name={instance.name!r}): api_version is required: write "
-            f"api_version={ENGINE_API_VERSION}, the engine API version your engine implements, as a literal "
-            "number (not verl_core.ENGINE_API_VERSION, which follows whatever core is installed and so could "
-            "never refuse a mismatch)"
-        )
+    if value is None:  # read as UNSTATED_API_VERSION (with a warning) by __attrs_post_init__
+        return
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(
             f"{type(instance).__name__}(name={instance.name!r}): api_version={value!r}: expected an int, "
@@ -106,8 +138,9 @@ class EngineBackend:
     """An engine backend: one way to own a model on a rank (FSDP, Megatron, DDP, ...).
 
     ``engine`` and ``config`` are import strings (or the objects themselves); they are imported only
-    when this backend is selected. ``api_version`` (required) is the engine API version the engine
-    implements, written as a literal number: a core that speaks another version refuses the backend.
+    when this backend is selected. ``api_version`` is the engine API version the engine implements,
+    written as a literal number: a core that no longer (or not yet) speaks it refuses the backend.
+    Leaving it out is deprecated: it reads as 1, what verl-core 0.1.0 filled in, with a warning.
     ``override=True`` states that this backend deliberately replaces another plugin's backend of the
     same name; without it, two providers of one name are an error.
     """
@@ -124,6 +157,12 @@ class EngineBackend:
     api_version: int = attrs.field(default=None, validator=_check_api_version)
     description: str = ""
     override: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.api_version is None:
+            # Attributed to the plugin's line that builds the descriptor (through attrs' __init__).
+            warn_deprecated(UNSTATED_API_VERSION_DEPRECATION, stacklevel=3)
+            object.__setattr__(self, "api_version", UNSTATED_API_VERSION)
 
     def load_engine(self) -> type:
         return load_object(self.engine)

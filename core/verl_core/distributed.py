@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+__all__ = ["all_reduce_max", "all_reduce_sum", "barrier", "collective_device", "group_rank", "group_size"]
+
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     """Ranks in ``group``; 1 without a distributed group."""

@@ -2,6 +2,23 @@
 
 from __future__ import annotations
 
+__all__ = [
+    "ApiVersionError",
+    "ConfigError",
+    "ConfigWarning",
+    "DataError",
+    "DuplicateNameError",
+    "PluginError",
+    "PluginLoadError",
+    "PluginValidationError",
+    "PluginWarning",
+    "RewardError",
+    "SwitchError",
+    "TrainerError",
+    "UnknownNameError",
+    "VerlCoreError",
+]
+
 
 class VerlCoreError(Exception):
     """Base class of all verl-core errors."""

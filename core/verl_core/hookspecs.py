@@ -18,6 +18,24 @@ from verl_core.descriptors import (
     RolloutBackend,
 )
 
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "ENGINE_BACKENDS",
+    "ENTRY_POINT_GROUP",
+    "HOOK_PREFIX",
+    "POLICY_LOSSES",
+    "PROJECT_NAME",
+    "REWARD_FUNCTIONS",
+    "ROLLOUT_BACKENDS",
+    "hookimpl",
+    "hookspec",
+    "verl_advantage_estimators",
+    "verl_engine_backends",
+    "verl_policy_losses",
+    "verl_reward_functions",
+    "verl_rollout_backends",
+]
+
 PROJECT_NAME = "verl_core"
 ENTRY_POINT_GROUP = "verl_core.plugins"
 

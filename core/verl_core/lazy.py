@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,3 +27,21 @@ def lazy_exports(
         return sorted(exports)
 
     return __getattr__, __dir__
+
+
+def exports_win_over_submodules(package: str, names: set[str]) -> None:
+    """Keep ``package.<name>`` the exported object for each of ``names`` that is also a submodule's name
+    (``verl_core.testing.spawn``, the function, lives in ``verl_core.testing.spawn``, the module).
+
+    Importing a submodule binds it as an attribute of its package, which would shadow the lazily
+    exported object of the same name from then on: ``from verl_core.testing import spawn`` would give
+    the module or the function depending on what ran before. ``import package.name`` still works.
+    """
+
+    class Package(types.ModuleType):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name in names and isinstance(value, types.ModuleType):
+                return  # the import system binding the submodule: keep the export
+            super().__setattr__(name, value)
+
+    sys.modules[package].__class__ = Package

@@ -26,6 +26,18 @@ from verl_core.config.run import (
     RunConfig,
     TrainerConfig,
 )
+from verl_core.config.validators import (
+    InvalidValue,
+    at_least,
+    each,
+    greater_than,
+    in_range,
+    non_empty,
+    non_negative,
+    one_of,
+    positive,
+    unit_interval,
+)
 
 __all__ = [
     "ActorConfig",
@@ -35,6 +47,7 @@ __all__ = [
     "DataConfig",
     "EngineConfig",
     "FilterGroupsConfig",
+    "InvalidValue",
     "KLControlConfig",
     "MicroBatchConfig",
     "ModelConfig",
@@ -45,10 +58,19 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "TrainerConfig",
+    "at_least",
     "dump_yaml",
+    "each",
+    "greater_than",
+    "in_range",
     "load_config",
+    "non_empty",
+    "non_negative",
+    "one_of",
     "parse_override",
+    "positive",
     "structure",
     "structure_with_warnings",
+    "unit_interval",
     "unstructure",
 ]

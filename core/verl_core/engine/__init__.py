@@ -32,6 +32,7 @@ _EXPORTS = {
     "save_hf_model_from_params": "verl_core.engine.hf",
     "LOG_PROBS": "verl_core.engine.hf",
     "ENTROPY": "verl_core.engine.hf",
+    "DTYPES": "verl_core.engine.hf",
     "run_micro_batches": "verl_core.engine.loop",
     "log_probs_from_logits": "verl_core.engine.logprob",
     "entropy_from_logits": "verl_core.engine.logprob",
@@ -48,6 +49,7 @@ _EXPORTS = {
     # devices and collectives
     "resolve_device": "verl_core.engine.device",
     "move_module": "verl_core.engine.device",
+    "device_type": "verl_core.engine.device",
     "barrier": "verl_core.distributed",
     "all_reduce_sum": "verl_core.distributed",
     "all_reduce_max": "verl_core.distributed",
@@ -65,6 +67,10 @@ _EXPORTS = {
     "set_rng_state": "verl_core.engine.seed",
     "save_rng_state": "verl_core.engine.seed",
     "load_rng_state": "verl_core.engine.seed",
+    "RNG_FILE": "verl_core.engine.seed",
+    # the layout a (model-parallel) engine reports
+    "Topology": "verl_core.engine.topology",
+    "check_topologies": "verl_core.engine.topology",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from typing import TYPE_CHECKING
 
 from verl_core.config.engine import EngineConfig
+from verl_core.deprecation import VerlCoreDeprecationWarning, declare, moved_names
 from verl_core.engine.base import BaseEngine
 from verl_core.engine.device import device_type
 from verl_core.errors import ConfigError, PluginValidationError
@@ -68,4 +71,51 @@ def build_engine(
             f"{engine_class.options_class.__module__}.{engine_class.options_class.__qualname__}; make them "
             "the same class"
         )
-    return engine_class(config, role=role, config_path=config_path)
+    return _construct(engine_class, config, role, config_path)
+
+
+def _construct(
+    engine_class: type[BaseEngine], config: EngineConfig, role: str, config_path: str
+) -> BaseEngine:
+    """``engine_class(config, role=role, config_path=config_path)``; an engine written for verl-core 0.1,
+    whose ``__init__`` takes no ``config_path``, is built without it and given the attribute, with a
+    deprecation warning pointing at its ``__init__`` (once per engine class)."""
+    parameters = inspect.signature(engine_class.__init__).parameters.values()
+    if any(p.name == "config_path" or p.kind is p.VAR_KEYWORD for p in parameters):
+        return engine_class(config, role=role, config_path=config_path)
+    _warn_without_config_path(engine_class)
+    engine = engine_class(config, role=role)
+    engine.config_path = config_path
+    return engine
+
+
+def _warn_without_config_path(engine_class: type) -> None:
+    # Attributed to the engine's own __init__, not to this line: shown once per engine class, where its
+    # author has to change something.
+    code = getattr(engine_class.__init__, "__code__", None)
+    warnings.warn_explicit(
+        f"{engine_class.__module__}.{engine_class.__qualname__}: {ENGINE_INIT_WITHOUT_CONFIG_PATH.message}",
+        VerlCoreDeprecationWarning,
+        filename=code.co_filename if code else "<unknown>",
+        lineno=code.co_firstlineno if code else 0,
+        module=engine_class.__module__,
+        registry=_WARNED_ENGINE_INITS.setdefault(engine_class, {}),
+    )
+
+
+#: ``BaseEngine.__init__`` gained ``config_path`` in 0.2.0; engines written for 0.1 do not accept it.
+ENGINE_INIT_WITHOUT_CONFIG_PATH = declare(
+    "an engine __init__ without a config_path argument",
+    since="0.2.0",
+    removed_in="0.4.0",
+    replacement=(
+        "__init__(self, config, role='lm', *, config_path='engine') passing config_path=config_path on to "
+        "BaseEngine.__init__"
+    ),
+)
+#: Per engine class, where ``warn_explicit`` has already warned.
+_WARNED_ENGINE_INITS: dict[type, dict] = {}
+
+__getattr__ = moved_names(
+    __name__, {"KIND": "verl_core.hookspecs:ENGINE_BACKENDS"}, since="0.2.0", removed_in="0.4.0"
+)

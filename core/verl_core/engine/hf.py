@@ -25,6 +25,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 
 from verl_core.config.engine import ModelConfig
 from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES, VALUES
+from verl_core.deprecation import moved_names
 from verl_core.descriptors import MODEL_ROLES
 from verl_core.distributed import barrier
 from verl_core.engine.base import forward_options
@@ -385,3 +386,11 @@ def save_hf_model_from_params(
     if keep:
         export_hf_model(model, path, state_dict=state_dict, tokenizer_source=tokenizer_source)
     barrier(group)  # no rank returns before the export exists
+
+
+__getattr__ = moved_names(
+    __name__,
+    {"PackedSequences": "verl_core.engine.packing:PackedSequences"},
+    since="0.2.0",
+    removed_in="0.4.0",
+)

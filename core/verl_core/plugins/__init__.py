@@ -9,6 +9,7 @@ in ``switches``, the wording of every failure in ``messages``.
 Nothing here imports torch or a backend; plugin modules are expected to stay light too.
 """
 
+from verl_core.deprecation import moved_names
 from verl_core.plugins.discovery import (
     BUILTIN_MODULE,
     BUILTIN_PLUGIN,
@@ -41,3 +42,7 @@ __all__ = [
     "get_plugin_manager",
     "get_registry",
 ]
+
+__getattr__ = moved_names(
+    __name__, {"HOOK_PREFIX": "verl_core.hookspecs:HOOK_PREFIX"}, since="0.2.0", removed_in="0.4.0"
+)

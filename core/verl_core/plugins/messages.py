@@ -11,7 +11,7 @@ import importlib.metadata as metadata
 from collections.abc import Iterable
 
 from verl_core import __version__
-from verl_core.descriptors import ENGINE_API_VERSION
+from verl_core.descriptors import ENGINE_API_VERSION, MIN_ENGINE_API_VERSION
 from verl_core.hookspecs import ENGINE_BACKENDS, ENTRY_POINT_GROUP
 from verl_core.plugins.switches import ENV_BLOCK, ENV_DISABLE_AUTOLOAD, ENV_PLUGINS
 
@@ -85,9 +85,16 @@ def api_mismatch(label: str, name: str, by: str, distribution: str | None, plugi
         upgrade = f"Upgrade plugin '{plugin}'"
     return (
         f"{label} '{name}' from {by} targets engine API version {version}, "
-        f"but verl-core {__version__} speaks engine API version {ENGINE_API_VERSION}. "
+        f"but verl-core {__version__} speaks {spoken_api_versions()}. "
         f"{upgrade} so that both speak the same version."
     )
+
+
+def spoken_api_versions() -> str:
+    """``engine API version 2`` or ``engine API versions 1 to 2``: what this core accepts."""
+    if MIN_ENGINE_API_VERSION == ENGINE_API_VERSION:
+        return f"engine API version {ENGINE_API_VERSION}"
+    return f"engine API versions {MIN_ENGINE_API_VERSION} to {ENGINE_API_VERSION}"
 
 
 def unimportable(label: str, name: str, by: str, field: str, target: str, cause: str) -> str:

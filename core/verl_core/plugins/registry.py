@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import attrs
 
-from verl_core.descriptors import ENGINE_API_VERSION, load_object
+from verl_core.descriptors import ENGINE_API_VERSION, MIN_ENGINE_API_VERSION, load_object
 from verl_core.errors import (
     ApiVersionError,
     DuplicateNameError,
@@ -272,7 +272,7 @@ def _resolve(kind: HookKind, group: list[Entry]) -> list[Entry]:
     ]
     entry = group[winner]
     api_version = getattr(entry.descriptor, "api_version", ENGINE_API_VERSION)
-    if api_version != ENGINE_API_VERSION:
+    if not MIN_ENGINE_API_VERSION <= api_version <= ENGINE_API_VERSION:
         error = messages.api_mismatch(
             kind.label, entry.name, entry.provider, entry.distribution, entry.plugin, api_version
         )

@@ -10,7 +10,7 @@ how to read a failure, and each of these names.
 Imports are lazy: spawned ranks import ``verl_core.testing.runner`` without pulling in pytest.
 """
 
-from verl_core.lazy import lazy_exports
+from verl_core.lazy import exports_win_over_submodules, lazy_exports
 
 _EXPORTS = {
     # pytest bases for a plugin's own tests
@@ -48,3 +48,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+exports_win_over_submodules(__name__, {"spawn"})

@@ -15,6 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_core.data.batch import ATTENTION_MASK
+from verl_core.deprecation import moved_names
 from verl_core.engine.topology import Topology
 from verl_core.errors import ConfigError
 
@@ -78,3 +79,11 @@ def restore_order(parts: Sequence[torch.Tensor], shards: Sequence[torch.Tensor])
     restored = torch.empty_like(merged)
     restored[index] = merged
     return restored
+
+
+__getattr__ = moved_names(
+    __name__,
+    {"check_topologies": "verl_core.engine.topology:check_topologies"},
+    since="0.2.0",
+    removed_in="0.4.0",
+)

@@ -60,6 +60,12 @@ EAGER_ENGINE = """
             return ForwardBackwardResult(outputs=None)
 """
 
+#: An engine that imports a name from where verl-core 0.1 had it (deprecated since 0.2.0).
+DEPRECATED_ENGINE = ENGINE.replace(
+    "from verl_core.engine import HFEngine",
+    "from verl_core.engine import HFEngine\nfrom verl_core.engine.distributed import barrier",
+)
+
 #: An engine whose options class is not the one its descriptor names.
 MISMATCHED_ENGINE = ENGINE.replace("options_class = Options", "options_class = dict")
 
@@ -107,6 +113,7 @@ DEFECTS = {
     "unpinned": ("test_installed_core_is_inside_the_required_range", {"requires": ()}),
     "mismatched": ("test_descriptors_are_valid", {"engine": MISMATCHED_ENGINE}),
     "eager": ("test_an_engine_refuses_to_compute_before_initialize", {"engine": EAGER_ENGINE}),
+    "deprecated": ("test_uses_no_deprecated_api", {"engine": DEPRECATED_ENGINE}),
 }
 
 

@@ -32,6 +32,7 @@ from verl_core.engine.topology import Topology, check_topologies
 from verl_core.testing import reference
 from verl_core.testing.losses import TEMPERATURE as KIT_TEMPERATURE
 from verl_core.testing.losses import policy_loss_fn, value_loss_fn
+from verl_core.testing.races import publication_held
 from verl_core.testing.report import (
     BITWISE,
     Comparison,
@@ -128,6 +129,8 @@ class RankContext:
     device: str
     dirs: ModelDirs
     workdir: Path
+    #: The job's rendezvous store, for coordination outside collectives (``races``); None: none.
+    store: Any = None
     samples: dict[str, list[Sample]] = attrs.field(
         init=False,
         factory=lambda: {
@@ -519,7 +522,10 @@ def check_checkpoint(ctx: RankContext) -> list[Comparison]:
     original = ctx.engine(optim=SCHEDULE_OPTIM)
     for name in "AB":
         train_step(original, ctx.local_batch(name))
-    original.save_checkpoint(str(path), global_step=2)
+    with publication_held(path, ctx.store, ctx.rank, ctx.world_size) as returned:  # as for hf_export
+        original.save_checkpoint(str(path), global_step=2)
+        present = path.is_dir()
+        returned()
     # Two steps after the save: the schedule's rate changes at both, so lost scheduler state shows.
     expected = [(train_step(original, ctx.local_batch(name)), exported(original)) for name in "CA"]
     del original
@@ -530,11 +536,22 @@ def check_checkpoint(ctx: RankContext) -> list[Comparison]:
     comparisons = [
         Comparison(
             "checkpoint",
+            "checkpoint present when save_checkpoint returns",
+            ctx.rank,
+            present,
+            f"{path} is in place on this rank"
+            if present
+            else f"{path} does not exist yet on this rank: "
+            "save_checkpoint returned before the writing rank finished (end it with a barrier over every "
+            "rank that calls it, as verl_core.engine.atomic_checkpoint does)",
+        ),
+        Comparison(
+            "checkpoint",
             "global step",
             ctx.rank,
             step == 2,
             f"load_checkpoint returned {step!r}, saved with global_step=2",
-        )
+        ),
     ]
     for number, name, (metrics, params) in zip((3, 4), "CA", expected, strict=True):
         actual = train_step(resumed, ctx.local_batch(name))
@@ -632,9 +649,12 @@ def check_hf_export(ctx: RankContext) -> list[Comparison]:
     engine = ctx.engine()
     train_step(engine, ctx.local_batch("A"))  # export trained weights, not the ones loaded
     engine_outputs = infer(engine, ctx.local_batch("A"))
-    engine.save_hf_model(path)
     # No barrier here: save_hf_model is a collective, and no rank may return before the export exists.
-    present = (Path(path) / "config.json").is_file()
+    # The writing rank is held just before the export appears, so that a rank returning early sees so.
+    with publication_held(path, ctx.store, ctx.rank, ctx.world_size) as returned:
+        engine.save_hf_model(path)
+        present = (Path(path) / "config.json").is_file()
+        returned()
     if not present:
         return [
             Comparison(

@@ -20,8 +20,10 @@ What it asserts, each as its own test:
   through them, attributed to this distribution, with status ``ok``;
 - listing the plugins and loading every backend's options class import no torch, transformers or
   engine module (a fresh subprocess);
-- each backend's descriptor is valid: a literal ``api_version`` equal to the engine API core speaks,
-  an engine class that subclasses ``BaseEngine`` whose ``options_class`` is the descriptor's config
+- importing the plugin, calling its hooks, importing its engines and building each one uses no
+  deprecated verl-core API (a fresh subprocess: every ``VerlCoreDeprecationWarning`` is listed with its
+  file and line);
+- each backend's descriptor is valid: a literal ``api_version`` that core accepts, an engine class that subclasses ``BaseEngine`` whose ``options_class`` is the descriptor's config
   class, and a description;
 - the options structure from a run config's section (``actor.engine.<backend>: {...}``), round-trip
   through plain data (defaults and the example), and an unknown key is refused at its full path;
@@ -123,42 +125,58 @@ class PluginContract:
             assert entry.plugin in self.entry_points and entry.status == "ok", entry
             assert entry.version == metadata.version(self.distribution)
 
-    def test_listing_imports_nothing_heavy(self) -> None:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def fresh_process(cls) -> dict[str, list[str]]:
+        """What a fresh interpreter with only this distribution's plugins (so that no other installed
+        plugin can be blamed on it) records: ``heavy``, the heavy modules listing the plugins and loading
+        the options classes imported; ``deprecated``, every use of deprecated verl-core API (file, line,
+        message) while importing the plugins, calling their hooks, and importing and building each
+        engine (not initialised: no model is read)."""
         from verl_core.plugins import ENV_DISABLE_AUTOLOAD, ENV_PLUGINS
 
-        script = (
-            "import json, sys\n"
-            "from verl_core.plugins import get_registry\n"
-            "registry = get_registry()\n"
-            f"for name in {sorted(self.options_examples)!r}:\n"
-            "    registry.entry('engine_backends', name).load('config')\n"
-            f"heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY_MODULES!r})\n"
-            "print(json.dumps(heavy))\n"
-        )
-        # Only this distribution's plugins, so that another installed plugin cannot be blamed on it.
         env = {name: value for name, value in os.environ.items() if not name.startswith("VERL_CORE_")}
-        env |= {ENV_DISABLE_AUTOLOAD: "1", ENV_PLUGINS: ",".join(self.entry_points.values())}
+        env |= {ENV_DISABLE_AUTOLOAD: "1", ENV_PLUGINS: ",".join(cls.entry_points.values())}
+        env.pop("PYTHONWARNINGS", None)
         result = subprocess.run(
-            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+            [
+                sys.executable,
+                "-c",
+                _FRESH_PROCESS.format(backends=sorted(cls.options_examples), heavy=HEAVY_MODULES),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
         )
         assert result.returncode == 0, result.stderr
-        heavy = json.loads(result.stdout.splitlines()[-1])
+        return json.loads(result.stdout.splitlines()[-1])
+
+    def test_listing_imports_nothing_heavy(self, fresh_process: dict[str, list[str]]) -> None:
+        heavy = fresh_process["heavy"]
         assert heavy == [], (
             f"listing the plugins and loading the options classes of {self.distribution} imported {heavy}: keep "
             "the plugin module and the options module free of them (name the engine by import string)"
         )
 
+    def test_uses_no_deprecated_api(self, fresh_process: dict[str, list[str]]) -> None:
+        used = fresh_process["deprecated"]
+        assert used == [], (
+            f"{self.distribution} uses deprecated verl-core API, which a later release removes (docs/api.md "
+            "says when; each warning names the replacement):\n" + "\n".join(used)
+        )
+
     # -- each backend ----------------------------------------------------------------------------
 
     def test_descriptors_are_valid(self, registry: Any) -> None:
-        from verl_core.descriptors import ENGINE_API_VERSION
+        from verl_core.descriptors import ENGINE_API_VERSION, MIN_ENGINE_API_VERSION
         from verl_core.engine import BaseEngine
         from verl_core.hookspecs import ENGINE_BACKENDS
 
         for name in self.options_examples:
             entry = registry.entry(ENGINE_BACKENDS, name)
             descriptor = entry.descriptor
-            assert descriptor.api_version == ENGINE_API_VERSION, descriptor
+            assert MIN_ENGINE_API_VERSION <= descriptor.api_version <= ENGINE_API_VERSION, descriptor
             assert descriptor.description, f"backend {name!r}: give the EngineBackend a description"
             engine = entry.load("engine")
             assert isinstance(engine, type) and issubclass(engine, BaseEngine), engine
@@ -226,3 +244,32 @@ class PluginContract:
                 assert documented == expected, (
                     f"{path}: `{option}` is documented as {documented!r}, defaults to {expected!r}"
                 )
+
+
+#: The script ``PluginContract.fresh_process`` runs (``{backends}``, ``{heavy}`` filled in).
+_FRESH_PROCESS = """
+import json, sys, warnings
+
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    from verl_core.plugins import get_registry
+
+    registry = get_registry()
+    for name in {backends!r}:
+        registry.entry("engine_backends", name).load("config")
+    heavy = sorted(m for m in sys.modules if m.split(".")[0] in {heavy!r})
+
+    from verl_core.config import EngineConfig, ModelConfig
+    from verl_core.deprecation import VerlCoreDeprecationWarning
+    from verl_core.engine import build_engine
+
+    for name in {backends!r}:
+        try:  # a backend that cannot be built fails test_descriptors_are_valid, not this
+            build_engine(EngineConfig(backend=name, model=ModelConfig(path="unused"), device="cpu"), registry=registry)
+        except Exception:
+            pass
+deprecated = [
+    f"{{w.filename}}:{{w.lineno}}: {{w.message}}" for w in caught if issubclass(w.category, VerlCoreDeprecationWarning)
+]
+print(json.dumps({{"heavy": heavy, "deprecated": deprecated}}))
+"""

@@ -194,7 +194,9 @@ def _run_checks(rank: int, job: ConformanceJob, store: Any) -> None:
     registry, options, roles = resolve_backend(job)
     dirs = save_tiny_models(workdir / "model") if rank == 0 else ModelDirs.under(workdir / "model")
     dist.barrier()
-    ctx = RankContext(job.backend, roles, options, registry, rank, job.world_size, job.device, dirs, workdir)
+    ctx = RankContext(
+        job.backend, roles, options, registry, rank, job.world_size, job.device, dirs, workdir, store=store
+    )
 
     records: list[RankRecord] = []
     for index, name in enumerate(job.checks):

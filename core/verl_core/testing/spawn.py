@@ -12,6 +12,8 @@ rank has finished. It is built so that a distributed test can fail but never han
 - a rank that raises makes the others be killed at once (they may wait in a collective it never
   joins); a rank that fails because another one did (its collective saw the peer leave) is told
   apart from the one that failed first, by when each failed;
+- the ranks run under the caller's warning filters (``-W error``, a test's ``filterwarnings`` marks), so
+  a test that turns warnings into errors does so in its ranks too;
 - ranks leave with ``os._exit`` after destroying the process group: torch 2.13 can deadlock when
   Python frees a DDP reducer that holds the last reference to a gloo group at interpreter exit
   (the group's destructor joins a worker thread that waits for the GIL).
@@ -27,10 +29,12 @@ import importlib
 import importlib.util
 import multiprocessing
 import os
+import pickle
 import sys
 import time
 import traceback
 import types
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -173,6 +177,7 @@ def spawn(
                 backend,
                 timeout_s,
                 collective_timeout_s,
+                _picklable_warning_filters(),
             ),
             name=f"rank{rank}",
         )
@@ -244,6 +249,27 @@ def _first_failures(workdir: Path, failed: list[int]) -> tuple[list[int], list[i
     return [rank for rank in failed if rank not in after], after
 
 
+def _picklable_warning_filters() -> list[tuple[Any, ...]]:
+    """The caller's warning filters, for the ranks; one whose category cannot reach another process (a
+    class local to a test) is left out."""
+    kept = []
+    for entry in warnings.filters:
+        try:
+            pickle.dumps(entry)
+        except Exception:
+            continue
+        kept.append(entry)
+    return kept
+
+
+def _install_warning_filters(filters: list[tuple[Any, ...]]) -> None:
+    warnings.resetwarnings()
+    for action, message, category, module, lineno in reversed(filters):  # each goes to the front
+        # Patterns are compiled, or plain strings in Python's own defaults.
+        message, module = (getattr(part, "pattern", part) or "" for part in (message, module))
+        warnings.filterwarnings(action, message, category, module, lineno)
+
+
 def _tail(path: Path) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -262,8 +288,10 @@ def _rank_main(
     backend: str | None,
     timeout_s: float,
     collective_timeout_s: float,
+    warning_filters: list[tuple[Any, ...]],
 ) -> None:
     """One rank: log to a file, join the group, run the function, leave without interpreter teardown."""
+    _install_warning_filters(warning_filters)
     log = open(log_path(workdir, rank), "a", buffering=1)  # noqa: SIM115 (open until os._exit)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)

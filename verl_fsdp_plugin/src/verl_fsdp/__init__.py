@@ -6,4 +6,4 @@ entry point ``fsdp`` (``verl_fsdp.plugin``). This package stays light: the engin
 imported only when the backend is used.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -8,4 +8,4 @@ logits), ``engine`` (``MegatronEngine``), ``cpu_bridge`` (the opt-in bridge that
 a machine without CUDA). docs/backends/megatron.md documents them.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

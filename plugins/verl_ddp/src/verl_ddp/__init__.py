@@ -4,4 +4,4 @@ Select it with ``engine.backend: ddp``. This package stays light: the engine (an
 imported only when the backend is used.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

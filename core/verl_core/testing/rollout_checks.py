@@ -167,6 +167,7 @@ class Row:
 
 def rows_of(output: TensorDict) -> list[Row]:
     """Each row's prompt (the attention mask's prompt columns) and response (``response_mask``)."""
+    output = output.to("cpu")  # a batch on the device is batch_contract's to report
     width = output[RESPONSES].shape[-1]
     prompt_ids = output[INPUT_IDS][:, :-width] if width else output[INPUT_IDS]
     prompt_mask = output[ATTENTION_MASK][:, : prompt_ids.shape[-1]].bool()
@@ -205,6 +206,8 @@ def reference_log_probs(
 def _compare_log_probs(
     check: str, quantity: str, output: TensorDict, expected: torch.Tensor, mask: torch.Tensor, against: str
 ) -> Comparison:
+    if not bool(mask.any()):  # a comparison of nothing would pass, and prove nothing
+        return Comparison(check, quantity, 0, False, "no response token to compare: every response_mask is 0")
     return compare_tensors(
         check,
         quantity,
@@ -238,6 +241,16 @@ def check_batch_contract(ctx: RolloutContext) -> list[Comparison]:
     comparisons = [_layout_shapes(check, output, len(prompts), max_new_tokens)]
     if not comparisons[0].passed:
         return comparisons  # nothing below can be read from tensors of the wrong shapes
+    devices = sorted({str(output[key].device) for key in REQUIRED_KEYS} - {"cpu"})
+    comparisons.append(
+        _passed(
+            check,
+            "on the CPU",
+            [f"tensors on {devices}: generate() returns its batch on the CPU"] if devices else [],
+            "every tensor on the CPU",
+        )
+    )
+    output = output.to("cpu")
     batch, width = output[RESPONSES].shape
     prompt_width = output[INPUT_IDS].shape[-1] - width
     attention_mask = output[ATTENTION_MASK]
@@ -393,14 +406,11 @@ def _layout_shapes(check: str, output: TensorDict, batch: int, max_new_tokens: i
             problems.append(f"{key} is {output[key].dtype}, not torch.int64")
     if not output[ROLLOUT_LOG_PROBS].is_floating_point():
         problems.append(f"{ROLLOUT_LOG_PROBS} is {output[ROLLOUT_LOG_PROBS].dtype}, not floating point")
-    devices = sorted({str(output[key].device) for key in REQUIRED_KEYS} - {"cpu"})
-    if devices:
-        problems.append(f"tensors on {devices}: generate() returns its batch on the CPU")
     return _passed(
         check,
-        "keys, shapes, dtypes, device",
+        "keys, shapes, dtypes",
         problems,
-        f"[{batch}, P + R] sequences and [{batch}, R] responses, int64 ids and masks, on the CPU",
+        f"[{batch}, P + R] sequences and [{batch}, R] responses, int64 ids and masks",
     )
 
 

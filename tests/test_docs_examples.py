@@ -28,3 +28,61 @@ def test_the_programmatic_conformance_example_runs_as_a_script(tmp_path: Path) -
         "first_step               passed" in result.stdout
         and "dp_invariance            passed" in result.stdout
     )
+
+
+def test_the_programmatic_rollout_conformance_example_runs() -> None:
+    (snippet,) = [block for block in python_blocks("conformance.md") if "run_rollout_conformance(" in block]
+    exec(snippet, {})  # in this process: the rollout kit spawns nothing
+
+
+@pytest.fixture
+def my_rollout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The worked rollout plugin of docs/plugins.md, its files written as the page shows them."""
+    files = {
+        block.splitlines()[0].removeprefix("# "): block
+        for block in python_blocks("plugins.md")
+        if block.startswith("# my_rollout/")
+    }
+    assert set(files) == {"my_rollout/config.py", "my_rollout/rollout.py", "my_rollout/plugin.py"}
+    (tmp_path / "my_rollout").mkdir()
+    (tmp_path / "my_rollout" / "__init__.py").write_text("")
+    for path, text in files.items():
+        (tmp_path / path).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path / "my_rollout"
+    for name in [name for name in sys.modules if name.split(".")[0] == "my_rollout"]:
+        del sys.modules[name]
+
+
+def test_the_worked_rollout_plugin_passes_the_rollout_kit(my_rollout: Path) -> None:
+    import torch
+
+    from verl_core.testing import ROLLOUT_CHECKS, RolloutConformance, run_rollout_conformance
+
+    torch.set_num_threads(1)
+    report = run_rollout_conformance("hf-generate", plugins=["my_rollout.plugin"], autoload=False)
+    assert {name: outcome.status for name, outcome in report.outcomes.items()} == dict.fromkeys(
+        ROLLOUT_CHECKS, "passed"
+    ), report.summary()
+
+    (test,) = [
+        block for block in python_blocks("plugins.md") if block.startswith("# tests/test_rollout_conf")
+    ]
+    namespace: dict = {}
+    exec(test, namespace)
+    kit_test = namespace["TestGenerateRolloutConformance"]
+    assert issubclass(kit_test, RolloutConformance) and kit_test.backend == "hf-generate"
+
+    # As the page says: without top_k, generate filters with its default top_k=50, and sampling fails.
+    source = (my_rollout / "rollout.py").read_text()
+    assert source.count('"top_k": sampling.top_k,\n') == 1
+    (my_rollout / "rollout.py").write_text(source.replace('"top_k": sampling.top_k,\n', ""))
+    del sys.modules["my_rollout.rollout"]
+    report = run_rollout_conformance(
+        "hf-generate", plugins=["my_rollout.plugin"], autoload=False, checks=["sampling"]
+    )
+    assert [c.quantity for c in report["sampling"].failures] == [
+        "T=0.7: sampled tokens follow softmax(logits / T)",
+        "T=1.0: sampled tokens follow softmax(logits / T)",
+    ], report.summary()
+    assert "more likely than T makes them" in report["sampling"].describe()

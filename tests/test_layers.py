@@ -2,9 +2,10 @@
 
 Lower layers never import higher ones: errors and descriptors, then the plugin contract and registry,
 then config, then the collective helpers, then data, then the engine contract and the algorithms,
-then rollout and reward, then workers, then the trainer and the command line. The conformance kit
-(``testing``) sits just above the engine and may use everything below it. Every import counts, those
-inside functions and ``TYPE_CHECKING`` blocks included: a lazy import is still a dependency.
+then rollout and reward, then workers, then the trainer and the command line. The conformance kits
+(``testing``) check engines and rollouts, so they sit above both (and reward) and may use
+everything below them, but not the workers or the trainer. Every import counts, those inside
+functions and ``TYPE_CHECKING`` blocks included: a lazy import is still a dependency.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("distributed",),
     ("data",),
     ("engine", "algos"),
-    ("testing",),
     ("rollout", "reward"),
+    ("testing",),
     ("workers",),
     ("trainer", "cli", "__main__", "_builtin"),
 ]

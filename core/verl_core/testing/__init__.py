@@ -1,10 +1,12 @@
-"""The engine conformance kit: does an engine backend compute what a plain PyTorch model computes?
+"""The conformance kits: does an engine backend compute what a plain PyTorch model computes, and does
+a rollout backend sample what the engine will score?
 
-For a plugin's tests, subclass ``EngineConformance`` (pytest) for the engine and ``PluginContract``
-for the distribution; programmatically, call ``run_conformance(backend, world_size, ...) ->
-ConformanceReport``. The kit's material is public for authors' own tests: the tiny models and
-batches (``save_tiny_models``, ``make_samples``, ``collate``), the reference and its loss functions,
-and ``spawn`` for tests on several ranks. docs/conformance.md explains every check, its tolerances,
+For a plugin's tests, subclass ``EngineConformance`` (pytest) for an engine, ``RolloutConformance``
+for a rollout and ``PluginContract`` for the distribution; programmatically, call
+``run_conformance(backend, world_size, ...)`` or ``run_rollout_conformance(backend, ...)``, each
+returning a ``ConformanceReport``. The kits' material is public for authors' own tests: the tiny
+models and batches (``save_tiny_models``, ``save_rollout_model``, ``make_samples``, ``collate``),
+the reference and its loss functions, and ``spawn`` for tests on several ranks. docs/conformance.md explains every check, its tolerances,
 how to read a failure, and each of these names.
 
 Imports are lazy: spawned ranks import ``verl_core.testing.runner`` without pulling in pytest.
@@ -22,6 +24,9 @@ _EXPORTS = {
     "CheckOutcome": "verl_core.testing.report",
     "Comparison": "verl_core.testing.report",
     "CHECKS": "verl_core.testing.checks",
+    "RolloutConformance": "verl_core.testing.suite",
+    "run_rollout_conformance": "verl_core.testing.rollout_runner",
+    "ROLLOUT_CHECKS": "verl_core.testing.rollout_checks",
     # the kit's material, for authors' own tests
     "TinyModelSpec": "verl_core.testing.tiny",
     "ModelDirs": "verl_core.testing.tiny",
@@ -40,6 +45,8 @@ _EXPORTS = {
     "reference_step": "verl_core.testing.reference",
     "reference_steps": "verl_core.testing.reference",
     "scheduled_lr": "verl_core.testing.reference",
+    "response_logits": "verl_core.testing.reference",
+    "save_rollout_model": "verl_core.testing.rollout_checks",
     # running distributed tests
     "spawn": "verl_core.testing.spawn",
     "Rank": "verl_core.testing.spawn",

@@ -1,4 +1,5 @@
-"""The independent single-process reference every conformance check compares an engine with.
+"""The independent single-process reference every conformance check compares an engine (or a
+rollout) with.
 
 Plain PyTorch and ``transformers`` only, none of core's engine helpers: each sample is run
 *unpadded* through the Hugging Face model (eager attention, default positions), log-probs are
@@ -47,6 +48,18 @@ def sample_outputs(
     log_probs = log_softmax.gather(-1, sample.response.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1)
     return {"log_probs": log_probs, "entropy": entropy}
+
+
+@torch.no_grad()
+def response_logits(model: torch.nn.Module, prompt: Sequence[int], response: Sequence[int]) -> torch.Tensor:
+    """The logits ``[r, V]`` that predict each of ``response``'s tokens, teacher-forced: ``prompt``
+    and ``response`` run alone, unpadded, through the Hugging Face model in eval mode (default
+    positions, no cache). Row ``t`` comes from position ``p + t - 1``, as in ``sample_outputs``.
+    The rollout kit's reference: ``log_softmax(logits / T)`` is what an engine computes for them."""
+    model.eval()
+    input_ids = torch.tensor([[*prompt, *response]], dtype=torch.int64)
+    logits = model(input_ids=input_ids).logits[0]
+    return logits[len(prompt) - 1 : len(prompt) + len(response) - 1].float()
 
 
 def pad_responses(per_sample: Sequence[torch.Tensor], width: int = RESPONSE_LENGTH) -> torch.Tensor:

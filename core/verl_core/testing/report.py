@@ -64,13 +64,15 @@ def compare_tensors(
     rank: int,
     mask: torch.Tensor | None = None,
     against: str = "reference",
+    subject: str = "engine",
 ) -> Comparison:
-    """Compare ``actual`` (from the engine) with ``expected`` where ``mask`` is true.
+    """Compare ``actual`` (from the ``subject`` under test: the engine, the rollout) with ``expected``
+    where ``mask`` is true.
 
     A failure names the worst element: its index, both values and the difference.
     """
     if actual is None or expected is None:
-        return Comparison(check, quantity, rank, False, "the engine returned nothing for it")
+        return Comparison(check, quantity, rank, False, f"the {subject} returned nothing for it")
     actual = actual.detach().to("cpu", torch.float64)
     expected = expected.detach().to("cpu", torch.float64)
     if actual.shape != expected.shape:
@@ -97,7 +99,7 @@ def compare_tensors(
     index = tuple(int(i) for i in torch.unravel_index(worst, expected.shape))
     max_abs_diff = float(difference.max())
     where = f" at {list(index)}" if index else ""
-    values = f"engine {actual[index].item():.8g}, {against} {expected[index].item():.8g}"
+    values = f"{subject} {actual[index].item():.8g}, {against} {expected[index].item():.8g}"
     if bool(differs.any()):
         how_much = f"(|difference| {difference[index].item():.3g}; tolerance {tolerance})"
         if expected.numel() == 1:
@@ -306,7 +308,9 @@ class ConformanceReport:
     """The outcome of every requested check of one backend at one world size.
 
     ``report["first_step"]`` is a ``CheckOutcome``; ``error`` is set when the run itself broke (a
-    rank crashed, the run timed out) and then names the rank and carries its traceback.
+    rank crashed, the run timed out) and then names the rank and carries its traceback. ``kind``
+    is what was checked: an ``engine`` backend, or a ``rollout`` backend (one process, so
+    ``world_size`` 1).
     """
 
     backend: str
@@ -314,6 +318,14 @@ class ConformanceReport:
     outcomes: dict[str, CheckOutcome]
     error: str | None = None
     wall_time_s: float = 0.0
+    kind: Literal["engine", "rollout"] = "engine"
+
+    @property
+    def subject(self) -> str:
+        """What ran, for messages: ``backend 'ddp' at world_size=2``, ``rollout backend 'hf'``."""
+        if self.kind == "rollout":
+            return f"rollout backend '{self.backend}'"
+        return f"backend '{self.backend}' at world_size={self.world_size}"
 
     def __getitem__(self, check: str) -> CheckOutcome:
         if check not in self.outcomes:
@@ -327,7 +339,7 @@ class ConformanceReport:
 
     def summary(self) -> str:
         """One line per check, then the details of every check that did not pass."""
-        lines = [f"conformance of backend {self.backend!r} at world_size={self.world_size}:"]
+        lines = [f"conformance of {self.subject}:"]
         lines += [f"  {name:<24} {outcome.status}" for name, outcome in self.outcomes.items()]
         if self.error:
             lines.append(f"run error: {self.error}")

@@ -1,6 +1,7 @@
-"""``EngineConformance``: the conformance checks as pytest tests, for a plugin's own test suite.
+"""``EngineConformance`` and ``RolloutConformance``: the conformance checks as pytest tests, for a
+plugin's own test suite.
 
-Subclass it in a test module, name the backend, done::
+Subclass one in a test module, name the backend, done::
 
     from verl_core.testing import EngineConformance
 
@@ -13,6 +14,16 @@ Each world size is one spawned run (class-scoped, so it runs once); there is one
 run's report, with a message saying what differed and by how much. A check that cannot be exercised
 on the device or world size (offload on the CPU, DP invariance with one DP rank) is skipped with the
 reason, never passed.
+
+A rollout backend likewise::
+
+    from verl_core.testing import RolloutConformance
+
+    class TestMyRolloutConformance(RolloutConformance):
+        backend = "my-rollout"
+
+One in-process run per class (a rollout owns no process group), one test per check of
+``ROLLOUT_CHECKS`` (``test_rollout_conformance[weight_sync]``).
 """
 
 from __future__ import annotations
@@ -23,6 +34,8 @@ import pytest
 
 from verl_core.testing.checks import CHECKS
 from verl_core.testing.report import ConformanceReport
+from verl_core.testing.rollout_checks import ROLLOUT_CHECKS
+from verl_core.testing.rollout_runner import run_rollout_conformance
 from verl_core.testing.runner import run_conformance
 
 
@@ -79,6 +92,45 @@ class EngineConformance:
         assert_check(conformance_report, conformance_check)
 
 
+class RolloutConformance:
+    """Base class of a rollout backend's conformance tests (see the module docstring and
+    docs/conformance.md)."""
+
+    #: The rollout backend's name, looked up through the plugin registry as ``rollout.backend`` is.
+    backend: ClassVar[str] = ""
+    #: The backend's options: an instance of its config class, a mapping, or None for the defaults.
+    options: ClassVar[Any] = None
+    #: Plugin modules (or their names) to load besides the installed ones, e.g. a test plugin.
+    plugins: ClassVar[tuple[Any, ...]] = ()
+    #: Load installed plugins through entry points; None follows VERL_CORE_DISABLE_PLUGIN_AUTOLOAD.
+    autoload: ClassVar[bool | None] = None
+    #: Where the rollout runs (``cpu``, ``cuda``); the reference runs on the CPU.
+    device: ClassVar[str] = "cpu"
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        # One test per check, generated from the list of checks: none can run unasserted.
+        if "rollout_check" in metafunc.fixturenames:
+            metafunc.parametrize("rollout_check", list(ROLLOUT_CHECKS))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def rollout_report(cls, tmp_path_factory: pytest.TempPathFactory) -> ConformanceReport:
+        if not cls.backend:
+            pytest.fail(f"{cls.__name__}: set the class attribute backend = '<rollout backend name>'")
+        return run_rollout_conformance(
+            cls.backend,
+            options=cls.options,
+            plugins=cls.plugins,
+            autoload=cls.autoload,
+            device=cls.device,
+            workdir=tmp_path_factory.mktemp("rollout-conformance"),
+        )
+
+    def test_rollout_conformance(self, rollout_report: ConformanceReport, rollout_check: str) -> None:
+        """One test per check of ``verl_core.testing.rollout_checks.ROLLOUT_CHECKS``."""
+        assert_check(rollout_report, rollout_check)
+
+
 def assert_check(report: ConformanceReport, check: str) -> None:
     """Pass, skip or fail the calling test as ``report`` says of ``check``."""
     outcome = report[check]
@@ -87,6 +139,6 @@ def assert_check(report: ConformanceReport, check: str) -> None:
     if not outcome.passed:
         run_error = f"\n(the run itself broke: {report.error})" if report.error else ""
         pytest.fail(
-            f"backend '{report.backend}' at world_size={report.world_size}: {outcome.describe()}{run_error}",
+            f"{report.subject}: {outcome.describe()}{run_error}",
             pytrace=False,
         )

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import torch
 from tensordict import TensorDict
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from verl_core.config import EngineConfig, MicroBatchConfig, ModelConfig, OptimConfig
 from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE, build_engine, load_hf_model, pack_sequences
 from verl_core.plugins import Registry
@@ -416,11 +416,12 @@ def checkpoint_across_layouts(ctx: Context) -> dict[str, Any]:
 
 def other_layouts(ctx: Context) -> dict[str, Any]:
     """HSDP (``dp_replicate_size: 2``: a 2-D mesh, weights broadcast along the replicated dimension at
-    load) takes the reference's first step; bf16 compute (the all-to-alls carry bf16) stays close to
-    fp32 and trains."""
+    load), with its layers kept gathered from forward to backward (``reshard_after_forward: false``),
+    takes the reference's first step; bf16 compute (the all-to-alls carry bf16) stays close to fp32 and
+    trains."""
     samples = make_samples(1)
     lm = ctx.models.kit.lm
-    hsdp = ctx.engine(lm, dp_replicate_size=2)
+    hsdp = ctx.engine(lm, dp_replicate_size=2, reshard_after_forward=False)
     placements = {tuple(p.placements) for p in hsdp.module.parameters()}
     rows = shard(samples, hsdp.dp_rank, hsdp.dp_size)
     metrics = train_step(hsdp, batch_of(samples[rows]))
@@ -433,7 +434,10 @@ def other_layouts(ctx: Context) -> dict[str, Any]:
     }
     del hsdp
     batch = batch_of(samples)
-    fp32 = infer(ctx.engine(lm, sp_size=2), batch)
+    fp32_engine = ctx.engine(lm, sp_size=2)
+    fp32 = infer(fp32_engine, batch)
+    # Inference has no backward to reshard the root: the engine does, so the shards are registered again.
+    figures["sharded after inference"] = all(isinstance(p, DTensor) for p in fp32_engine.module.parameters())
     bf16 = ctx.engine(lm, sp_size=2, param_dtype="bfloat16", reduce_dtype="float32")
     outputs = infer(bf16, batch)
     bf16_step = train_step(bf16, batch)
@@ -443,6 +447,8 @@ def other_layouts(ctx: Context) -> dict[str, Any]:
         )
     figures["bf16 step grad_norm"] = bf16_step["grad_norm"]
     problems = []
+    if not figures["sharded after inference"]:
+        problems.append("gathered parameters stay registered after inference")
     if placements != {(Replicate(), Shard(0))}:
         problems.append(f"HSDP placements {placements}")
     if max(figures[k] for k in ("hsdp loss", "hsdp grad_norm", "hsdp weights")) > STEP_ATOL:

@@ -121,6 +121,8 @@ class UlyssesEngine(HFEngine):
         distributed = dist.is_available() and dist.is_initialized()
         shape = self._check_layout(dist.get_world_size() if distributed else 1, distributed)
         if distributed:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # NCCL groups and FSDP's gathers use the current device
             self.mesh = build_mesh(shape, self.device.type)
         super().initialize()
 
@@ -198,8 +200,6 @@ class UlyssesEngine(HFEngine):
     def wrap_model(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.mesh is None:
             return module.to(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # FSDP gathers on the current CUDA device
         policy = MixedPrecisionPolicy(
             param_dtype=_DTYPES.get(self.options.param_dtype),
             reduce_dtype=_DTYPES.get(self.options.reduce_dtype),

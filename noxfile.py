@@ -115,18 +115,23 @@ def build(session: nox.Session) -> None:
 def install_check(session: nox.Session) -> None:
     """Install the built wheels into fresh environments and check what users get.
 
-    1. ``verl-core[fsdp,megatron]`` and the ``verl-ddp`` example: our packages come from dist/ only
-       (``--no-index``), the ``fsdp``, ``megatron`` and ``ddp`` backends are discovered from their wheels'
-       entry points, verl-fsdp-plugin is installed at the version core's extra pins, the Megatron engine
-       imports (megatron-core and what it needs came along), and ``verl_core`` is imported from
-       site-packages, not from this checkout.
+    1. ``verl-core[fsdp,megatron]`` and the ``verl-ddp`` and ``verl-ulysses`` examples: our packages come
+       from dist/ only (``--no-index``), the ``fsdp``, ``megatron``, ``ddp`` and ``ulysses`` backends are
+       discovered from their wheels' entry points, verl-fsdp-plugin is installed at the version core's
+       extra pins, the Megatron and Ulysses engines import (megatron-core and what it needs came
+       along), and ``verl_core`` is imported from site-packages, not from this checkout.
     2. ``verl-core`` alone: only core's own plugin is listed, and asking for the ``megatron`` backend
        tells the user the pip command that installs it.
     """
     venv = _fresh_venv(session, "extras")
-    _install_from_dist(session, venv, ["verl-core[fsdp,megatron]", "verl-ddp"])
+    _install_from_dist(session, venv, ["verl-core[fsdp,megatron]", "verl-ddp", "verl-ulysses"])
     rows = _plugin_rows(session, venv)
-    expected = [("ddp", "verl-ddp"), ("fsdp", "verl-fsdp-plugin"), ("megatron", "verl-megatron-plugin")]
+    expected = [
+        ("ddp", "verl-ddp"),
+        ("fsdp", "verl-fsdp-plugin"),
+        ("megatron", "verl-megatron-plugin"),
+        ("ulysses", "verl-ulysses"),
+    ]
     for backend, distribution in expected:
         found = [row for row in rows if row["backend"] == backend]
         if [(row["distribution"], row["status"]) for row in found] != [(distribution, "ok")]:
@@ -137,6 +142,7 @@ def install_check(session: nox.Session) -> None:
     _run_python(
         session, venv, "import verl_megatron.model"
     )  # imports megatron-core and what it needs undeclared
+    _run_python(session, venv, "import verl_ulysses.engine")  # the engine imports from the wheels alone
     _check_core_imported_from_site_packages(session, venv)
 
     venv = _fresh_venv(session, "core")

@@ -1,0 +1,365 @@
+"""``UlyssesEngine``: a VeOmni-style engine. It owns its parallel plan: a ``(dp_replicate, dp_shard, sp)``
+mesh, the model built on the meta device and filled from rank 0, FSDP2 per decoder layer, Ulysses
+sequence parallelism around attention, and its own ``torch.distributed.checkpoint`` checkpoints.
+
+Built on verl-core's ``HFEngine`` like the DDP template; what it overrides:
+
+- ``initialize``: checks the layout against the model and the job (``check_layout``), builds the
+  mesh's groups, then lets ``HFEngine`` load, wrap and build AdamW and the LR schedule;
+- ``load_model``: the architecture on the meta device (attention switched to Ulysses at ``sp > 1``);
+- ``wrap_model``: ``fully_shard`` per decoder layer and root over ``dp_shard x sp``, ``to_empty``,
+  weights from rank 0, non-persistent buffers recomputed (``verl_ulysses.loading``);
+- ``forward_backward_batch``: core's ``run_micro_batches`` with the sequence-parallel forward
+  (``verl_ulysses.ulysses``) at ``sp > 1``, ``HFEngine``'s forward otherwise; resharding after
+  inference; outputs only on SP rank 0;
+- the topology: ``dp_group`` is the ranks of this SP rank across DP ranks (it excludes the other SP
+  ranks), ``is_output_rank`` is SP rank 0;
+- ``no_sync``, ``move_model``, ``full_tensor``: FSDP2's gradient sync switch, moving shards, gathering;
+- ``save_checkpoint`` / ``load_checkpoint``: DCP, loadable at another ``(dp, sp)`` layout;
+  ``save_hf_model``: one writer for the job, a barrier over the world (not over ``dp_group``).
+
+Without ``torch.distributed`` the engine runs the plain model (``sp_size`` must be 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from tensordict import TensorDict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig
+from verl_core.config import EngineConfig
+from verl_core.engine import (
+    ForwardBackwardResult,
+    HFEngine,
+    LossFn,
+    atomic_checkpoint,
+    check_model_dir,
+    load_checkpoint_file,
+    load_hf_model,
+    load_rng_state,
+    move_module,
+    move_optimizer_state,
+    open_checkpoint,
+    reading_checkpoint,
+    run_micro_batches,
+    save_hf_model_from_params,
+    save_rng_state,
+)
+from verl_core.errors import ConfigError
+
+from verl_ulysses import ulysses
+from verl_ulysses.config import MeshShape, UlyssesConfig, check_layout
+from verl_ulysses.loading import load_from_rank0
+from verl_ulysses.mesh import ParallelMesh, build_mesh
+
+BACKEND = "ulysses"
+#: Checkpoint layout (inside the directory ``atomic_checkpoint`` publishes, marked complete by its
+#: ``verl_checkpoint.json``): two DCP directories, readable at any layout, the LR schedule, and each
+#: rank's RNG state.
+MODEL_DIR = "model"
+OPTIMIZER_DIR = "optimizer"  # absent when saved before the first optimiser step
+LR_SCHEDULER_FILE = "lr_scheduler.pt"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UlyssesEngine(HFEngine):
+    """FSDP2 over ``dp_shard x sp`` with Ulysses sequence parallelism (gloo on CPU, NCCL on GPU)."""
+
+    options_class = UlyssesConfig
+
+    def __init__(self, config: EngineConfig, role: str = "lm", *, config_path: str = "engine"):
+        super().__init__(config, role, config_path=config_path)
+        #: The mesh and its groups, from ``initialize()`` on (None without torch.distributed).
+        self.mesh: ParallelMesh | None = None
+        #: How rank 0 read the weights (``"safetensors"``, ``"from_pretrained"``) or None (plain load).
+        self.loaded_from: str | None = None
+
+    # -- topology --------------------------------------------------------------------------------
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding this rank's SP rank of every DP rank: SP ranks are not data parallel."""
+        return self.mesh.dp_group if self.mesh is not None else super().dp_group
+
+    @property
+    def is_output_rank(self) -> bool:
+        """SP rank 0 of each DP rank (every SP rank computes the same gathered outputs)."""
+        return self.mesh is None or self.mesh.sp_rank == 0
+
+    @property
+    def sp_size(self) -> int:
+        return self.mesh.shape.sp if self.mesh is not None else 1
+
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        """Every rank of the job: checkpoints, exports and weight loading are collectives over it."""
+        return dist.group.WORLD if self.mesh is not None else None
+
+    @property
+    def global_rank(self) -> int:
+        return self.mesh.rank if self.mesh is not None else 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def initialize(self) -> None:
+        if self.module is not None:
+            raise RuntimeError(f"{type(self).__name__}.initialize() was already called")
+        distributed = dist.is_available() and dist.is_initialized()
+        shape = self._check_layout(dist.get_world_size() if distributed else 1, distributed)
+        if distributed:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # NCCL groups and FSDP's gathers use the current device
+            self.mesh = build_mesh(shape, self.device.type)
+        super().initialize()
+
+    def _check_layout(self, world_size: int, distributed: bool) -> MeshShape:
+        """The mesh, or every reason it cannot be, at once, each under its key."""
+        model = self.config.model
+        hf_config = AutoConfig.from_pretrained(
+            check_model_dir(model.path, f"{self.config_path}.model.path"),
+            trust_remote_code=model.trust_remote_code,
+            local_files_only=True,
+        )
+        errors: list[tuple[str, str]] = []
+        try:
+            shape = check_layout(self.options, hf_config.to_dict(), world_size, self._options_path)
+        except ConfigError as error:
+            errors += error.errors
+            shape = None
+        if self.options.sp_size > 1:
+            if not distributed:
+                errors.append(
+                    (
+                        f"{self._options_path}.sp_size",
+                        f"{self.options.sp_size} needs a torch.distributed process group of that many ranks "
+                        "or more: in the trainer set trainer.workers=ray; embedding the engine, call "
+                        "torch.distributed.init_process_group before initialize()",
+                    )
+                )
+            if model.attn_implementation != "sdpa":
+                errors.append(
+                    (
+                        f"{self.config_path}.model.attn_implementation",
+                        f"{model.attn_implementation!r}: at sp_size > 1 attention runs this backend's "
+                        "Ulysses attention (SDPA over the whole sequence); set 'sdpa', or sp_size: 1",
+                    )
+                )
+            if model.compile_layers:
+                errors.append(
+                    (
+                        f"{self.config_path}.model.compile_layers",
+                        "compiles the decoder layers, whose attention at sp_size > 1 runs all-to-alls "
+                        "across ranks, which this backend has not proven under torch.compile: unset it, "
+                        "or sp_size: 1",
+                    )
+                )
+        if not distributed:
+            for name in ("param_dtype", "reduce_dtype"):
+                if getattr(self.options, name) is not None:
+                    errors.append(
+                        (
+                            f"{self._options_path}.{name}",
+                            f"{getattr(self.options, name)!r} is FSDP's mixed precision, which needs an "
+                            "initialised torch.distributed process group (one rank suffices); unset it",
+                        )
+                    )
+        if errors:
+            raise ConfigError(errors)
+        return shape
+
+    def load_model(self) -> torch.nn.Module:
+        """The architecture on the meta device; its weights arrive in ``wrap_model``. Without a process
+        group, the model loaded as usual."""
+        if self.mesh is None:
+            return super().load_model()
+        model = load_hf_model(
+            self.config.model,
+            self.role,
+            where=f"{self.config_path}.model",
+            packing=self.config.micro_batch.packing,
+            on_meta=True,
+        )
+        if self.sp_size > 1:
+            model.set_attn_implementation(ulysses.ULYSSES_ATTENTION)
+        return model
+
+    def wrap_model(self, module: torch.nn.Module) -> torch.nn.Module:
+        if self.mesh is None:
+            return module.to(self.device)
+        policy = MixedPrecisionPolicy(
+            param_dtype=_DTYPES.get(self.options.param_dtype),
+            reduce_dtype=_DTYPES.get(self.options.reduce_dtype),
+        )
+        common = {"mesh": self.mesh.fsdp_mesh, "mp_policy": policy}
+        for layer in decoder_layers(module):  # children before the root
+            fully_shard(layer, reshard_after_forward=self.options.reshard_after_forward, **common)
+        # The root's parameters (the head) are needed again as soon as backward starts.
+        fully_shard(module, reshard_after_forward=False, **common)
+        module.to_empty(device=self.device)
+        self.loaded_from = load_from_rank0(
+            module,
+            self.config.model,
+            self.role,
+            self.config.seed,
+            self.device,
+            where=f"{self.config_path}.model",
+        )
+        return module
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: FSDP reduces them once, in the step's last backward."""
+        if self.mesh is None:
+            yield
+            return
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def move_model(self, device: torch.device, parameters: bool, gradients: bool) -> None:
+        """Sharded parameters move with ``module.to`` (FSDP re-registers its shards there), and their
+        gradients with them: FSDP cannot keep the two apart."""
+        if self.mesh is None:
+            move_module(self.module, device, parameters=parameters, gradients=gradients)
+            return
+        if parameters != gradients:
+            raise ValueError(
+                f"UlyssesEngine.to({str(device)!r}, model={parameters}, grad={gradients}): FSDP keeps gradients "
+                "on their parameters' device; move both (model=True, grad=True) or neither"
+            )
+        self.module.to(device)
+
+    def full_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A whole weight, gathered over the mesh on the compute device: a collective of every rank."""
+        return tensor.to(self.device).full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    # -- compute ---------------------------------------------------------------------------------
+
+    def forward_backward_batch(
+        self, batch: TensorDict, loss_fn: LossFn | None, forward_only: bool
+    ) -> ForwardBackwardResult:
+        self._initialized()
+        try:
+            if self.sp_size == 1:
+                result = super().forward_backward_batch(batch, loss_fn, forward_only)
+            else:
+                result = run_micro_batches(
+                    batch,
+                    forward=lambda micro_batch: ulysses.ulysses_forward(
+                        self.model,
+                        micro_batch,
+                        self.role,
+                        self.mesh.sp_group,
+                        self.config.micro_batch.logits_chunk_size,
+                    ),
+                    loss_fn=loss_fn,
+                    forward_only=forward_only,
+                    micro_batch_config=self.config.micro_batch,
+                    dp_group=self.dp_group,
+                    no_sync=self.no_sync,
+                    device=self.device,
+                )
+        except BaseException:
+            if self.mesh is not None:  # leave FSDP ready for the next step (its gradients are not cleaned)
+                self.model.reset_iter_state()
+                self._reshard()
+            raise
+        if forward_only:
+            # The root keeps its gathered parameters after forward until a backward that never comes.
+            self._reshard()
+        if not self.is_output_rank:
+            result = attrs.evolve(result, outputs=None)
+        return result
+
+    def _reshard(self) -> None:
+        if self.mesh is not None:
+            for unit in self.model.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.reshard()
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def save_hf_model(self, path: str) -> None:
+        """Rank 0 of the job writes, every rank returns once the export exists (the DP group's rank 0
+        is one per SP rank: it cannot be the writer)."""
+        save_hf_model_from_params(
+            self._initialized(),
+            self.get_per_tensor_param(),
+            path,
+            rank=self.global_rank,
+            group=self.world_group,
+            tokenizer_source=self.config.model.path,
+        )
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str, global_step: int = 0) -> None:
+        model = self._initialized()
+        with atomic_checkpoint(
+            path, global_step=global_step, backend=BACKEND, group=self.world_group
+        ) as staging:
+            dcp.save(get_model_state_dict(model), checkpoint_id=staging / MODEL_DIR, **self._dcp_group())
+            # Before the first step the state is empty, and torch would fill it with a zero step
+            # just to save it, changing the next real step's bias correction.
+            if self.optimizer.state:
+                dcp.save(
+                    get_optimizer_state_dict(model, self.optimizer),
+                    checkpoint_id=staging / OPTIMIZER_DIR,
+                    **self._dcp_group(),
+                )
+            if self.global_rank == 0:  # identical on every rank
+                torch.save(self.lr_scheduler.state_dict(), staging / LR_SCHEDULER_FILE)
+            save_rng_state(staging, self.global_rank)
+
+    def load_checkpoint(self, path: str) -> int:
+        """Restore a checkpoint saved at any ``(dp, sp)`` layout or world size: DCP reshards."""
+        model = self._initialized()
+        directory, info = open_checkpoint(path, backend=BACKEND)
+        with reading_checkpoint(directory, self.config.model.path):
+            model_state = get_model_state_dict(model)
+            dcp.load(model_state, checkpoint_id=directory / MODEL_DIR, **self._dcp_group())
+            set_model_state_dict(model, model_state)
+            if (directory / OPTIMIZER_DIR).is_dir():
+                optimizer_state = get_optimizer_state_dict(model, self.optimizer)
+                dcp.load(optimizer_state, checkpoint_id=directory / OPTIMIZER_DIR, **self._dcp_group())
+                set_optimizer_state_dict(model, self.optimizer, optimizer_state)
+                # Loading puts the state next to the parameters; keep it where it was (offloaded or not).
+                move_optimizer_state(self.optimizer, self.optimizer_device)
+            else:  # saved before the first step: so is this engine now
+                self.optimizer.state.clear()
+        self.lr_scheduler.load_state_dict(load_checkpoint_file(directory, LR_SCHEDULER_FILE))
+        load_rng_state(directory, self.global_rank)
+        return info.global_step
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    @property
+    def _options_path(self) -> str:
+        """Where the options sit in a run config: ``actor.engine.ulysses``."""
+        return f"{self.config_path}.{BACKEND}"
+
+    def _dcp_group(self) -> dict[str, object]:
+        """DCP's collectives run over every rank; an engine without a process group saves alone."""
+        return {"process_group": self.world_group, "no_dist": self.mesh is None}
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers (the classes of its ``_no_split_modules``), children before parents."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if m is not model and type(m).__name__ in classes][::-1]

@@ -196,7 +196,10 @@ def fake_loader(monkeypatch):
 
 def test_config_passes_files_and_overrides_and_prints_yaml(fake_loader, capsys):
     assert (
-        main(["config", "a.yaml", "b.yaml", "trainer.seed=3", "-o", "rollout.n=4", "--override", "x.y=z"])
+        main(
+            ["config", "--for", "train", "--no-file-checks", "a.yaml", "b.yaml", "trainer.seed=3"]
+            + ["-o", "rollout.n=4", "--override", "x.y=z"]
+        )
         == 0
     )
     assert fake_loader == [(["a.yaml", "b.yaml"], ["trainer.seed=3", "rollout.n=4", "x.y=z"])]
@@ -244,7 +247,7 @@ def run_yaml(tmp_path):
 def test_config_with_the_real_loader_prints_the_resolved_yaml(run_yaml, capsys):
     import yaml
 
-    assert main(["config", str(run_yaml), "trainer.seed=7", "-o", "rollout.n=4"]) == 0
+    assert main(["config", "--no-file-checks", str(run_yaml), "trainer.seed=7", "-o", "rollout.n=4"]) == 0
     resolved = yaml.safe_load(capsys.readouterr().out)
     assert resolved["actor"]["engine"]["fakeeng"] == {"bucket_mb": 50}
     assert (resolved["trainer"]["seed"], resolved["rollout"]["n"]) == (7, 4)
@@ -321,9 +324,12 @@ def test_config_of_the_example_leaves_the_decay_length_to_the_trainer(installed_
 
     if "ddp" not in installed_plugins.names("engine_backends"):
         pytest.skip("the ddp backend (plugins/verl_ddp) is not installed")
-    assert main(["config", str(EXAMPLE)]) == 0
+    assert main(["config", "--no-file-checks", str(EXAMPLE)]) == 0
     captured = capsys.readouterr()
-    assert captured.err == ""  # no errors, no warnings
+    # no errors, no warnings: only the line saying what it was checked for
+    assert captured.err.splitlines() == [
+        "verl-core: checked as a config for `verl-core train` (no data.response_key column in data.train_files)"
+    ]
     resolved = yaml.safe_load(captured.out)
     # 0: the run's length in optimiser steps, which the trainer fills in once it knows the dataset.
     assert resolved["actor"]["engine"]["optim"]["total_steps"] == 0
@@ -334,9 +340,22 @@ def test_config_prints_a_warning_per_ignored_option_and_exits_0(run_yaml, capsys
     import yaml
 
     ref = "ref.engine={backend: fakeeng, model: {path: /models/ref}}"
-    assert main(["config", str(run_yaml), "rollout.n=2", "trainer.resume_from_path=/ckpt", "-o", ref]) == 0
+    assert (
+        main(
+            [
+                "config",
+                "--no-file-checks",
+                str(run_yaml),
+                "rollout.n=2",
+                "trainer.resume_from_path=/ckpt",
+                "-o",
+                ref,
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
-    assert captured.err.splitlines() == [
+    assert captured.err.splitlines()[:-1] == [
         "warning: trainer.resume_from_path: ignored: resume_mode is 'auto'; set trainer.resume_mode=resume_path "
         "to resume from this checkpoint, or remove it (from override 'trainer.resume_from_path=/ckpt')",
         "warning: ref.engine: ignored: no KL term is on (actor.policy_loss.use_kl_loss and "
@@ -363,7 +382,7 @@ def test_config_reads_a_file_named_like_a_key_and_reports_a_missing_yaml_file(
 ):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "rollout.n").write_text("rollout: {n: 6}\n")
-    assert main(["config", str(run_yaml), "rollout.n"]) == 0  # an existing file is a file
+    assert main(["config", "--no-file-checks", str(run_yaml), "rollout.n"]) == 0  # an existing file is a file
     assert "  n: 6\n" in capsys.readouterr().out
     assert main(["config", "trainer.yaml"]) == 2
     assert (

@@ -187,7 +187,7 @@ def test_model_paths_that_are_not_model_folders_name_the_key_and_the_fix(tmp_pat
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cases = {
         str(tmp_path / "missing"): "does not exist (relative paths are relative to",
-        "Qwen/Qwen2-0.5B": "looks like a Hugging Face hub id, but models load from local folders only",
+        "Qwen/Qwen2-0.5B": "if it is a Hugging Face hub id: models load from local folders only",
         str(tmp_path / "weights.safetensors"): "is a file; give the model's folder",
         str(tmp_path / "empty"): "is a folder without config.json, so it is not a Hugging Face model",
     }

@@ -109,8 +109,8 @@ def test_verl_core_train_runs_and_draws_the_curves(demo, tmp_path, capsys) -> No
     from verl_core.cli import main
 
     assert main(["train", *run_overrides(demo, tmp_path, **{"trainer.test_freq": 1})]) == 0
-    out = capsys.readouterr().out
-    assert "curves:" in out and (tmp_path / "run" / "curves.png").is_file()
+    err = capsys.readouterr().err  # the end-of-run summary, with the files, is on stderr
+    assert "curves:" in err and (tmp_path / "run" / "curves.png").is_file()
 
 
 def test_verl_core_train_names_a_missing_dataset(demo, tmp_path, capsys) -> None:

@@ -185,8 +185,8 @@ def test_verl_core_sft_exports_a_model_an_rl_run_starts_from(demo, val_file, tmp
         **{"trainer.test_freq": 2, "trainer.save_freq": 3, "trainer.save_hf_model": "true"},
     )
     assert main(["sft", *overrides]) == 0
-    out = capsys.readouterr().out
-    assert "curves:" in out and (sft_dir / "run" / "curves.png").is_file()
+    err = capsys.readouterr().err  # the end-of-run summary, with the files, is on stderr
+    assert "curves:" in err and (sft_dir / "run" / "curves.png").is_file()
     assert (sft_dir / "checkpoints" / "global_step_3" / "actor").is_dir()
 
     export = sft_dir / "run" / "hf_model"
@@ -217,8 +217,8 @@ def test_verl_core_sft_exports_a_model_an_rl_run_starts_from(demo, val_file, tmp
     # An SFT run pointed at the RL run's checkpoints refuses to resume from them.
     capsys.readouterr()
     wrong = overrides + [f"trainer.checkpoint_dir={rl_dir / 'checkpoints'}"]
-    assert main(["sft", *wrong]) == 1
-    assert "global_step_1 is not an SFT checkpoint" in capsys.readouterr().err
+    assert main(["sft", *wrong]) == 2  # refused before the SFT run starts
+    assert "written by `verl-core train`): give this run its own checkpoint_dir" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

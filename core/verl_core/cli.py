@@ -76,13 +76,28 @@ def _build_parser() -> argparse.ArgumentParser:
 
     config = commands.add_parser(
         "config",
-        help="print the fully resolved configuration as YAML",
+        help="check a configuration and print it fully resolved as YAML",
         description="Merge the YAML FILES in order, apply the dotted overrides, validate (every "
-        "component name resolved), and print the result as YAML; on invalid input print every error "
-        "and exit 2. Options the run will ignore are printed as warnings on stderr (exit 0). "
-        "Positional arguments containing '=' are overrides; -o overrides apply after them.",
+        "component name resolved) and run every check that needs no worker (dataset files, model "
+        "folders and their weights and tokenizer, the checkpoint and run folders, optional packages), "
+        "then print the result as YAML; on invalid input print every error and exit 2. Options the run "
+        "will ignore are printed as warnings on stderr (exit 0). Positional arguments containing '=' are "
+        "overrides; -o overrides apply after them. A config is checked for `verl-core sft` when the rows "
+        "of data.train_files have the data.response_key column, else for `verl-core train` (--for says).",
     )
     _add_config_arguments(config)
+    config.add_argument(
+        "--for",
+        dest="for_command",
+        choices=("train", "sft"),
+        help="check the config for this command instead of telling it from the training data",
+    )
+    config.add_argument(
+        "--no-file-checks",
+        action="store_true",
+        help="skip the checks of files, folders and installed packages (a config for another machine); "
+        "keys, values, component names and the rules between them are still checked",
+    )
     config.set_defaults(run=_run_config)
 
     train = commands.add_parser(
@@ -262,17 +277,32 @@ def format_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
 
 def _run_config(args: argparse.Namespace) -> int:
     from verl_core.config import dump_yaml
+    from verl_core.trainer.preflight import describe_kind, preflight, trainer_kind
 
-    config = _load_run_config(args)
+    # The RL rules apply to an RL config, which the training data tells once the config has loaded.
+    config = _load_run_config(args, rl_rules=args.for_command == "train")
     if config is None:
         return 2
+    kind = {"train": "rl", "sft": "sft"}.get(args.for_command) or trainer_kind(config)
+    if kind == "rl" and args.for_command is None:
+        config = _load_run_config(args, rl_rules=True, quiet=True)
+        if config is None:
+            return 2
+    if not args.no_file_checks:
+        try:
+            preflight(config, kind)
+        except VerlCoreError as error:
+            print(error, file=sys.stderr)
+            return 2
     sys.stdout.write(dump_yaml(config))
+    print(f"verl-core: {describe_kind(kind, detected=args.for_command is None)}", file=sys.stderr)
     return 0
 
 
-def _load_run_config(args: argparse.Namespace, rl_rules: bool = True) -> Any:
+def _load_run_config(args: argparse.Namespace, rl_rules: bool = True, quiet: bool = False) -> Any:
     """The run config of ``args.items`` (files and overrides) and ``args.override``, or ``None`` after
-    printing every error; the options the run will ignore are printed as warnings."""
+    printing every error; the options the run will ignore are printed as warnings (unless ``quiet``:
+    a second load of the same config)."""
     # The loader imports cattrs and yaml: only the commands that load a config pay for them.
     from verl_core.config import load_config
     from verl_core.config.loading import OVERRIDES_SOURCE, looks_like_key
@@ -302,7 +332,9 @@ def _load_run_config(args: argparse.Namespace, rl_rules: bool = True) -> Any:
             config, error = load_config(paths, overrides + args.override, rl_rules=rl_rules), None
         except ConfigError as exc:
             config, error = None, exc
-    for warning in caught:  # each option the run will ignore, as ``warning: <path>: <message>``
+    for warning in (
+        [] if quiet else caught
+    ):  # each option the run will ignore, as ``warning: <path>: <message>``
         if issubclass(warning.category, ConfigWarning):
             print(f"warning: {warning.message}", file=sys.stderr)
         else:  # not ours: as Python would have shown it
@@ -329,12 +361,18 @@ def _run_sft(args: argparse.Namespace) -> int:
 
 
 def _run_trainer(args: argparse.Namespace, trainer_class: Any) -> int:
-    """Load the config, build the trainer (exit 2 on bad input), fit (exit 1 if the run fails), plot."""
+    """Load the config, build the trainer (exit 2 on bad input, 0 if nothing is left to train), fit
+    (exit 1 if the run fails), plot."""
+    from verl_core.errors import NothingToTrain
+
     config = _load_run_config(args, rl_rules=trainer_class.uses_rl_rules)
     if config is None:
         return 2
     try:
         trainer = trainer_class.from_config(config)
+    except NothingToTrain as finished:
+        print(f"verl-core: {finished}", file=sys.stderr)
+        return 0
     except VerlCoreError as error:  # bad input found while building: a dataset, a model folder
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -347,7 +385,7 @@ def _run_trainer(args: argparse.Namespace, trainer_class: Any) -> int:
         trainer.shutdown()
     from verl_core.trainer.plot import plot_run
 
-    print(f"run folder: {config.trainer.run_dir}; curves: {plot_run(config.trainer.run_dir)}")
+    print(f"verl-core:   curves: {plot_run(config.trainer.run_dir)}", file=sys.stderr)
     return 0
 
 

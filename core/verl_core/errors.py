@@ -8,6 +8,7 @@ __all__ = [
     "ConfigWarning",
     "DataError",
     "DuplicateNameError",
+    "NothingToTrain",
     "PluginError",
     "PluginLoadError",
     "PluginValidationError",
@@ -83,3 +84,8 @@ class DataError(VerlCoreError, ValueError):
 
 class TrainerError(VerlCoreError, RuntimeError):
     """A training run cannot go on: the message says why and what to change."""
+
+
+class NothingToTrain(VerlCoreError):
+    """The checkpoint a run would resume from is at its last step already: not a failure, but nothing
+    is started (``verl-core train`` prints the message and exits 0). The message says how to go on."""

@@ -112,6 +112,11 @@ def read_rows(paths: Sequence[str], config_path: str) -> list[dict[str, Any]]:
     return Rows(rows, files)
 
 
+def read_file(path: str | os.PathLike, key: str) -> list[dict[str, Any]]:
+    """The rows of one ``.parquet`` or ``.jsonl`` file; errors start with ``key`` (``data.train_files[1]``)."""
+    return _read_file(Path(path), key)
+
+
 def _supported() -> str:
     return ", ".join(JSONL_SUFFIXES + PARQUET_SUFFIXES)
 

@@ -33,6 +33,7 @@ _EXPORTS = {
     "LOG_PROBS": "verl_core.engine.hf",
     "ENTROPY": "verl_core.engine.hf",
     "DTYPES": "verl_core.engine.hf",
+    "PLAIN_HEAD_MODEL_TYPES": "verl_core.engine.hf",
     "run_micro_batches": "verl_core.engine.loop",
     "log_probs_from_logits": "verl_core.engine.logprob",
     "entropy_from_logits": "verl_core.engine.logprob",

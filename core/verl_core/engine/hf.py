@@ -79,14 +79,14 @@ def check_model_dir(path: str, where: str = "model.path") -> Path:
         )
     elif directory.exists():
         problem = f"{path!r} is a file; give the model's folder (the one holding {HF_CONFIG_FILE})"
-    elif _looks_like_hub_id(path):
-        problem = (
-            f"{path!r} is not a local folder; it looks like a Hugging Face hub id, but models load from local "
-            f"folders only (never from the network): download it first, e.g. `hf download {path} "
-            f"--local-dir models/{path.split('/')[-1]}`, and give that folder"
-        )
     else:
         problem = f"{path!r} does not exist (relative paths are relative to {Path.cwd()})"
+        if _looks_like_hub_id(path):
+            problem += (
+                "; if it is a Hugging Face hub id: models load from local folders only (never from the "
+                f"network), so download it first, e.g. `hf download {path} --local-dir "
+                f"models/{path.split('/')[-1]}`, and give that folder"
+            )
     raise ConfigError([(where, problem)])
 
 

@@ -11,6 +11,9 @@ from verl_core.workers.group import InProcessWorkerGroup, WorkerGroup
 from verl_core.workers.roles import Actor, Critic
 from verl_core.workers.workers import ActorWorker, CriticWorker
 
+#: Files that hold a tokenizer's vocabulary: a model folder needs one of them.
+VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model")
+
 
 def load_tokenizer(model: ModelConfig) -> Any:
     """The tokenizer saved beside the policy's weights (``actor.engine.model.path``), from the local
@@ -20,6 +23,17 @@ def load_tokenizer(model: ModelConfig) -> Any:
     from verl_core.engine.hf import check_model_dir
 
     path = check_model_dir(model.path, "actor.engine.model.path")
+    if not any((path / name).is_file() for name in VOCABULARY_FILES):
+        # transformers would build an empty tokenizer of the model's type instead of failing
+        raise ConfigError(
+            [
+                (
+                    "actor.engine.model.path",
+                    f"{path} has no tokenizer files ({', '.join(VOCABULARY_FILES)}): save the tokenizer "
+                    "beside the model (tokenizer.save_pretrained(path))",
+                )
+            ]
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             str(path), trust_remote_code=model.trust_remote_code, local_files_only=True
@@ -47,6 +61,15 @@ def load_tokenizer(model: ModelConfig) -> Any:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def workers_description(config: RunConfig) -> str:
+    """Where the roles run, for the console: ``in process``, ``2 rank(s) under a local Ray cluster``."""
+    trainer = config.trainer
+    if trainer.workers == "in_process":
+        return "in process"
+    cluster = f"the Ray cluster at {trainer.ray_address}" if trainer.ray_address else "a local Ray cluster"
+    return f"{trainer.world_size} rank(s) each under {cluster}"
 
 
 def worker_group(config: RunConfig, role: str, make_worker: Any, device: str = "cpu") -> WorkerGroup:

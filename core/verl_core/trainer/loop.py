@@ -1,21 +1,25 @@
 """The run loop the RL and SFT trainers share: resume, log, validate, checkpoint, export.
 
-``Trainer.fit`` resumes from the newest complete checkpoint, validates once before training (where the
-curves start), then runs ``train_step`` up to ``total_steps``, validating every ``trainer.test_freq``
-steps and saving a checkpoint every ``trainer.save_freq`` steps (and at the last), and finally writes
-the Hugging Face export. Each step's metrics are logged before its checkpoint is saved: a crash while
-saving repeats the step on resume (the logger replaces its line), never leaves a resumed run without
-it. A trainer supplies the steps, the validation, the checkpoints and a line about its data.
+``Trainer.fit`` resumes from the newest complete checkpoint (saying which), validates once before
+training (where the curves start), then runs ``train_step`` up to ``total_steps``, validating every
+``trainer.test_freq`` steps and saving a checkpoint every ``trainer.save_freq`` steps (and at the last),
+writes the Hugging Face export and ends with a summary on the console. Each step's metrics are logged
+before its checkpoint is saved: a crash while saving repeats the step on resume (the logger replaces
+its line), never leaves a resumed run without it. A trainer supplies the steps, the validation, the
+checkpoints, a line about its data and the metrics its summary follows.
 """
 
 from __future__ import annotations
 
 import abc
-import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from verl_core.trainer.metrics import MetricsLogger
+from verl_core.engine.checkpoint import read_checkpoint_info
+from verl_core.errors import NothingToTrain
+from verl_core.trainer import checkpoints, console
+from verl_core.trainer.metrics import METRICS_FILE, MetricsLogger, read_records
 
 #: Where the final Hugging Face export goes, inside the run folder.
 HF_EXPORT_DIR = "hf_model"
@@ -32,6 +36,10 @@ class Trainer(abc.ABC):
     total_steps: int
     show_progress: bool
     global_step: int
+    #: The metrics the end-of-run summary follows from their first to their last value.
+    summary_keys: tuple[str, ...] = ()
+    #: The checkpoint the run resumed from (set by ``resume``), None for a fresh run.
+    resumed_from: Path | None = None
 
     @abc.abstractmethod
     def resume(self) -> int:
@@ -56,8 +64,15 @@ class Trainer(abc.ABC):
     def fit(self) -> dict[str, float]:
         """Train from the newest checkpoint (or the start) to ``total_steps``; the last step's metrics."""
         trainer = self.config.trainer
+        started = time.perf_counter()
         self.global_step = self.resume()
-        print(f"verl-core: {self.data_summary()}", file=sys.stderr)
+        if self.resumed_from is not None:
+            console.say(f"resumed from {self.resumed_from} at step {self.global_step} of {self.total_steps}")
+        if self.global_step >= self.total_steps:
+            console.say(nothing_to_train(self.resumed_from, self.global_step, self.total_steps))
+            return {}
+        console.say(self.data_summary())
+        first_step = self.global_step
         metrics: dict[str, float] = {}
         with MetricsLogger(
             self.run_dir,
@@ -82,6 +97,33 @@ class Trainer(abc.ABC):
                 logger.log(step, metrics)
                 if trainer.save_freq and (step % trainer.save_freq == 0 or last):
                     self.save_checkpoint(step)
+        files = [f"metrics: {self.run_dir / METRICS_FILE}"]
         if trainer.save_hf_model:
-            self.actor.save_hf_model(str(self.run_dir / HF_EXPORT_DIR))
+            export = self.run_dir / HF_EXPORT_DIR
+            self.actor.save_hf_model(str(export))
+            files.append(f"Hugging Face export: {export}")
+        if trainer.save_freq:
+            files.append(f"checkpoints: {trainer.checkpoint_dir}")
+        records = read_records(self.run_dir / METRICS_FILE)
+        console.summary(
+            records, self.summary_keys, time.perf_counter() - started, self.global_step - first_step, files
+        )
         return metrics
+
+
+def check_not_finished(trainer: Any, total_steps: int) -> None:
+    """Raise ``NothingToTrain`` when the checkpoint a run of ``total_steps`` would resume from is at its
+    last step already (``trainer`` is the ``trainer`` config section): before any worker starts."""
+    candidates = checkpoints.resume_candidates(trainer)
+    if candidates:
+        step = read_checkpoint_info(candidates[0]).global_step
+        if step >= total_steps:
+            raise NothingToTrain(nothing_to_train(candidates[0], step, total_steps))
+
+
+def nothing_to_train(checkpoint: Path | None, step: int, total_steps: int) -> str:
+    return (
+        f"nothing to train: the checkpoint {checkpoint} is at step {step} of {total_steps}; raise "
+        "trainer.total_training_steps (or trainer.total_epochs) to train on, or start a new run in another "
+        "trainer.checkpoint_dir"
+    )

@@ -42,20 +42,21 @@ from verl_core.data.dataset import (
     load_prompt_datasets,
     sequential_batches,
 )
-from verl_core.engine.checkpoint import CheckpointError
 from verl_core.errors import ConfigError, TrainerError
 from verl_core.reward import load_reward_function, score_responses
 from verl_core.rollout.base import ROLLOUT_LOG_PROBS, SamplingParams
-from verl_core.trainer import checkpoints
-from verl_core.trainer.loop import Trainer
+from verl_core.trainer import checkpoints, console
+from verl_core.trainer.loop import Trainer, check_not_finished
 from verl_core.trainer.metrics import (
     REWARD_KEY,
     STEP_TIME_KEY,
+    VAL_SCORE_KEY,
     Timer,
     perf_metrics,
     validation_samples_path,
     write_jsonl,
 )
+from verl_core.trainer.preflight import preflight
 from verl_core.trainer.validation import summarize
 from verl_core.workers.roles import Actor, Critic
 
@@ -74,6 +75,7 @@ class RLTrainer(Trainer):
 
     #: Whether its config is held to the RL trainer's cross-section rules (``load_config(rl_rules=...)``).
     uses_rl_rules = True
+    summary_keys = (VAL_SCORE_KEY, REWARD_KEY)
 
     def __init__(
         self,
@@ -98,9 +100,7 @@ class RLTrainer(Trainer):
         self.sampler = EpochSampler(
             len(train_data), config.data.train_batch_size, shuffle=config.data.shuffle, seed=config.data.seed
         )
-        self.total_steps = config.trainer.total_training_steps or self.sampler.total_steps(
-            config.trainer.total_epochs
-        )
+        self.total_steps = total_steps(config, len(train_data))
         self.num_mini_batches = config.data.train_batch_size // config.actor.ppo_mini_batch_size
         _check_divides(config, actor.dp_size)
         self.estimator = get_advantage_estimator(config.algorithm.adv_estimator, registry)
@@ -108,20 +108,30 @@ class RLTrainer(Trainer):
         self.kl_controller = build_kl_controller(config.algorithm.kl_ctrl)
         self.sampling = _sampling(config.rollout.temperature, config, tokenizer)
         self.global_step = 0
+        self._reward_failure_shown = False
         #: The last collected batch's reward metrics, and the last step's whole batch.
         self.reward_metrics: dict[str, float] = {}
         self.last_batch: TensorDict | None = None
 
     @classmethod
     def from_config(cls, config: RunConfig, registry: Any = None, **options: Any) -> RLTrainer:
-        """The trainer ``config`` describes: tokenizer and datasets loaded, the roles' worker groups
-        started (``trainer.workers``) and their engines initialised."""
-        from verl_core.trainer.build import build_roles, load_tokenizer
+        """The trainer ``config`` describes: every pre-flight check passed (``preflight``: all problems
+        at once, before anything starts), tokenizer and datasets loaded, the roles' worker groups started
+        (``trainer.workers``) and their engines initialised. Raises ``NothingToTrain`` when the
+        checkpoint it would resume from is at the run's last step."""
+        from verl_core.trainer.build import build_roles, load_tokenizer, workers_description
 
-        tokenizer = load_tokenizer(config.actor.engine.model)
-        train_data, val_data = load_prompt_datasets(config.data, config.rollout, tokenizer)
+        preflight(config, TRAINER_KIND)
+        with console.phase("loading the tokenizer and the datasets"):
+            tokenizer = load_tokenizer(config.actor.engine.model)
+            train_data, val_data = load_prompt_datasets(config.data, config.rollout, tokenizer)
         config = with_run_length(config, len(train_data))
-        actor, critic = build_roles(config, registry)
+        check_not_finished(config.trainer, total_steps(config, len(train_data)))
+        with console.phase(
+            f"starting the actor{' and the critic' if config.critic.enable else ''} "
+            f"({workers_description(config)}: engines and rollout)"
+        ):
+            actor, critic = build_roles(config, registry)
         try:
             return cls(
                 config,
@@ -293,6 +303,13 @@ class RLTrainer(Trainer):
             on_error=self.config.reward.on_error,
             name=self.config.reward.function,
         )
+        if result.first_error and not self._reward_failure_shown:  # reward.on_error=zero: once per run
+            self._reward_failure_shown = True
+            console.warn(
+                f"the reward function failed on {result.num_errors} of {len(responses)} sample(s), scored 0 "
+                f"(reward.on_error=zero; later failures are counted in reward/errors only). The first: "
+                f"{result.first_error}"
+            )
         scores = torch.tensor(result.scores, dtype=torch.float32)
         metrics = {
             **result.step_metrics(),  # the function's own metrics first: they cannot replace these
@@ -335,6 +352,7 @@ class RLTrainer(Trainer):
                 for i in range(min(room, len(responses)))
             ]
         write_jsonl(validation_samples_path(self.run_dir, step), samples)
+        console.samples(step, samples)
         return summarize(by_prompt, sources, k)
 
     # -- checkpoints -----------------------------------------------------------------------------
@@ -346,19 +364,14 @@ class RLTrainer(Trainer):
             "sampler": self.sampler.state_dict(),
             "kl_coef": self.kl_controller.value,
         }
-        return checkpoints.save(self.config.trainer, step, self.actor, self.critic, state)
+        return checkpoints.save(self.config, step, self.actor, self.critic, state)
 
     def resume(self) -> int:
         """The step to continue after: the newest complete checkpoint's, or 0 for a fresh run."""
-        found = checkpoints.find_resume_point(self.config.trainer)
-        if found is None:
+        restored = checkpoints.restore(self.config, TRAINER_KIND, self.actor, self.critic)
+        if restored is None:
             return 0
-        state = checkpoints.load(found, self.actor, self.critic)
-        if state.get("trainer") != TRAINER_KIND:
-            raise CheckpointError(
-                f"{found} was saved by the {state.get('trainer', 'unknown')!r} trainer, not by an RL run: start "
-                "from its Hugging Face export (actor.engine.model.path) with another trainer.checkpoint_dir"
-            )
+        self.resumed_from, state = restored
         self.sampler.load_state_dict(state["sampler"])
         self.kl_controller.value = state["kl_coef"]
         return int(state["global_step"])
@@ -393,13 +406,16 @@ def updates_per_step(config: RunConfig) -> int:
     return config.data.train_batch_size // config.actor.ppo_mini_batch_size * config.actor.ppo_epochs
 
 
+def total_steps(config: RunConfig, num_prompts: int) -> int:
+    """Steps in the run: ``trainer.total_training_steps``, or ``total_epochs`` epochs of ``num_prompts``."""
+    sampler = EpochSampler(num_prompts, config.data.train_batch_size, shuffle=False)
+    return config.trainer.total_training_steps or sampler.total_steps(config.trainer.total_epochs)
+
+
 def with_run_length(config: RunConfig, num_prompts: int) -> RunConfig:
     """``config`` with a decaying learning rate's ``optim.total_steps: 0`` set to the run's optimiser
-    steps: ``trainer.total_training_steps`` (or ``total_epochs`` epochs of ``num_prompts`` prompts)
-    times ``updates_per_step``."""
-    sampler = EpochSampler(num_prompts, config.data.train_batch_size, shuffle=False)
-    steps = config.trainer.total_training_steps or sampler.total_steps(config.trainer.total_epochs)
-    return fill_total_steps(config, steps, updates_per_step(config))
+    steps: ``total_steps`` times ``updates_per_step``."""
+    return fill_total_steps(config, total_steps(config, num_prompts), updates_per_step(config))
 
 
 def _sampling(temperature: float, config: RunConfig, tokenizer: Any) -> SamplingParams:

@@ -26,18 +26,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
 from tensordict import TensorDict
 
 from verl_core.config.loading import fill_total_steps
 from verl_core.config.run import DataConfig, RolloutConfig, RunConfig
 from verl_core.data.batch import RESPONSE_MASK, join_prompts_and_responses, left_pad
 from verl_core.data.dataset import EpochSampler, SFTDataset, SFTRow, sequential_batches
-from verl_core.engine.checkpoint import CheckpointError
 from verl_core.errors import ConfigError
-from verl_core.trainer import checkpoints
-from verl_core.trainer.loop import Trainer
+from verl_core.trainer import checkpoints, console
+from verl_core.trainer.loop import Trainer, check_not_finished
 from verl_core.trainer.metrics import STEP_TIME_KEY, Timer, perf_metrics
+from verl_core.trainer.preflight import preflight
 from verl_core.workers.sft import SFT, SFTWorker
 
 #: The training loss (the step's token-mean NLL of the responses) and the validation set's.
@@ -53,6 +52,7 @@ class SFTTrainer(Trainer):
 
     #: Whether its config is held to the RL trainer's cross-section rules (``load_config(rl_rules=...)``).
     uses_rl_rules = False
+    summary_keys = (VAL_LOSS_KEY, SFT_LOSS_KEY)
 
     def __init__(
         self,
@@ -86,17 +86,25 @@ class SFTTrainer(Trainer):
 
     @classmethod
     def from_config(cls, config: RunConfig, registry: Any = None, **options: Any) -> SFTTrainer:
-        """The trainer ``config`` describes: tokenizer and datasets loaded, a decaying learning rate
-        given the run's length, the SFT worker group started (``trainer.workers``) and its engines
-        initialised."""
-        from verl_core.trainer.build import WorkerMaker, load_tokenizer, worker_group
+        """The trainer ``config`` describes: every pre-flight check passed (``preflight``), tokenizer
+        and datasets loaded, a decaying learning rate given the run's length, the SFT worker group
+        started (``trainer.workers``) and its engines initialised. Raises ``NothingToTrain`` when the
+        checkpoint it would resume from is at the run's last step."""
+        from verl_core.trainer.build import WorkerMaker, load_tokenizer, worker_group, workers_description
 
-        tokenizer = load_tokenizer(config.actor.engine.model)
-        train_data, val_data = load_sft_datasets(config.data, config.rollout, tokenizer)
-        config = _decay_over_the_run(config, _run_length(config, _sampler(config, len(train_data))))
-        actor = SFT(
-            worker_group(config, "sft", WorkerMaker(SFTWorker, config, registry), config.actor.engine.device)
-        )
+        preflight(config, TRAINER_KIND)
+        with console.phase("loading the tokenizer and the datasets"):
+            tokenizer = load_tokenizer(config.actor.engine.model)
+            train_data, val_data = load_sft_datasets(config.data, config.rollout, tokenizer)
+        steps = _run_length(config, _sampler(config, len(train_data)))
+        config = fill_total_steps(config, steps)  # one optimiser step per trainer step
+        check_not_finished(config.trainer, steps)
+        with console.phase(f"starting the SFT engines ({workers_description(config)})"):
+            actor = SFT(
+                worker_group(
+                    config, "sft", WorkerMaker(SFTWorker, config, registry), config.actor.engine.device
+                )
+            )
         try:
             return cls(
                 config, actor=actor, tokenizer=tokenizer, train_data=train_data, val_data=val_data, **options
@@ -153,19 +161,14 @@ class SFTTrainer(Trainer):
 
     def save_checkpoint(self, step: int) -> Path:
         state = {"trainer": TRAINER_KIND, "global_step": step, "sampler": self.sampler.state_dict()}
-        return checkpoints.save(self.config.trainer, step, self.actor, None, state)
+        return checkpoints.save(self.config, step, self.actor, None, state)
 
     def resume(self) -> int:
         """The step to continue after: the newest complete checkpoint's, or 0 for a fresh run."""
-        found = checkpoints.find_resume_point(self.config.trainer)
-        if found is None:
+        restored = checkpoints.restore(self.config, TRAINER_KIND, self.actor, None)
+        if restored is None:
             return 0
-        state = checkpoints.load(found, self.actor, None)
-        if state.get("trainer") != TRAINER_KIND:
-            raise CheckpointError(
-                f"{found} is not an SFT checkpoint (an RL run's, from `verl-core train`?): give the SFT run "
-                "its own trainer.checkpoint_dir"
-            )
+        self.resumed_from, state = restored
         self.sampler.load_state_dict(state["sampler"])
         return int(state["global_step"])
 
@@ -234,13 +237,3 @@ def _sampler(config: RunConfig, num_rows: int) -> EpochSampler:
 def _run_length(config: RunConfig, sampler: EpochSampler) -> int:
     """Steps in the run: ``trainer.total_training_steps``, or ``trainer.total_epochs`` whole epochs."""
     return config.trainer.total_training_steps or sampler.total_steps(config.trainer.total_epochs)
-
-
-def _decay_over_the_run(config: RunConfig, total_steps: int) -> RunConfig:
-    """``config`` with a decaying learning rate's ``optim.total_steps: 0`` set to the run's
-    ``total_steps`` (one optimiser step each), as ``load_config`` sets it from
-    ``trainer.total_training_steps`` when that is given (``fill_total_steps``, with its checks)."""
-    if config.trainer.total_training_steps is not None:
-        return config  # filled in when the config loaded
-    run = attrs.evolve(config, trainer=attrs.evolve(config.trainer, total_training_steps=total_steps))
-    return attrs.evolve(fill_total_steps(run), trainer=config.trainer)

@@ -1,0 +1,250 @@
+"""Everything about a run that can be checked before a worker starts, reported all at once.
+
+``verl-core config`` runs these checks, and so do ``verl-core train`` / ``sft`` (through the trainers'
+``from_config``) before Ray or an engine starts: a missing file, a model folder that is not one, a
+tokenizer larger than the model's vocabulary, truncated weights, an unwritable or another run's
+checkpoint folder, a logger whose package is not installed. Each problem is ``(key, message)``, the key
+being the config key to fix, as ``ConfigError`` reports it. Reading is cheap on purpose: file headers,
+the first rows of a dataset, ``config.json``; the models themselves are loaded by the engines.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+from verl_core.config.run import RunConfig
+from verl_core.config.validators import each_rule
+from verl_core.data.dataset import read_file
+from verl_core.engine.checkpoint import CheckpointError
+from verl_core.engine.integrity import file_problem
+from verl_core.errors import ConfigError, DataError
+from verl_core.trainer import checkpoints
+
+#: Which trainer a config is for: ``verl-core train`` (``rl``) or ``verl-core sft``.
+TrainerKind = Literal["rl", "sft"]
+#: The loggers that need a package beyond core's dependencies, and the install command.
+LOGGER_PACKAGES = {"tensorboard": ("tensorboard", 'pip install "verl-core[tensorboard]"')}
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def preflight(config: RunConfig, kind: TrainerKind) -> None:
+    """Raise a ``ConfigError`` listing every problem ``check_run`` finds; nothing when there is none."""
+    problems = list(check_run(config, kind))
+    if problems:
+        raise ConfigError(problems)
+
+
+def check_run(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]:
+    """Every problem of ``config`` for the ``kind`` of run, each rule independent of the others."""
+    yield from each_rule(
+        lambda: _datasets(config, kind),
+        lambda: _models(config, kind),
+        lambda: _checkpoint_dir(config, kind),
+        lambda: _writable("trainer.run_dir", config.trainer.run_dir),
+        lambda: _loggers(config),
+    )
+
+
+def trainer_kind(config: RunConfig) -> TrainerKind:
+    """``sft`` when the first row of ``data.train_files`` has a ``data.response_key`` column (the
+    prompt/response pairs ``verl-core sft`` trains on), else ``rl``; what ``verl-core config`` checks a
+    config as when not told."""
+    if not config.data.train_files:
+        return "rl"
+    try:
+        first = read_file(config.data.train_files[0], "data.train_files[0]")[0]
+    except (DataError, IndexError):
+        return "rl"  # the file's own problem is reported by the checks
+    return "sft" if config.data.response_key in first else "rl"
+
+
+# -- datasets -------------------------------------------------------------------------------------------
+
+
+def _datasets(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]:
+    data = config.data
+    columns = [data.prompt_key] + ([data.response_key] if kind == "sft" else [])
+    for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
+        if not files and key == "data.train_files":
+            yield key, "is empty: list the dataset files (data.train_files=[train.jsonl])"
+        for index, path in enumerate(files):
+            try:
+                rows = read_file(path, f"{key}[{index}]")
+            except DataError as error:
+                yield f"{key}[{index}]", _without_key(str(error), f"{key}[{index}]")
+                continue
+            if not rows:
+                yield f"{key}[{index}]", f"'{path}' holds no rows: add rows, or leave the file out"
+                continue
+            first = rows[0]
+            missing = [column for column in columns if column not in first]
+            if missing:
+                yield (
+                    f"{key}[{index}]",
+                    f"'{path}' has no column {missing[0]!r} (its rows have {sorted(first)}): set "
+                    f"data.{'prompt_key' if missing[0] == data.prompt_key else 'response_key'} to the column "
+                    "that holds it",
+                )
+
+
+def _without_key(message: str, key: str) -> str:
+    """A ``DataError``'s message without the key it starts with (``ConfigError`` adds it back)."""
+    return message.removeprefix(f"{key}: ").removeprefix(f"{key} ")
+
+
+# -- models ---------------------------------------------------------------------------------------------
+
+
+def _model_paths(config: RunConfig) -> dict[str, str]:
+    """Each engine section the run builds -> its model folder (the reference only with a KL term)."""
+    paths = {"actor.engine.model.path": config.actor.engine.model.path}
+    if config.uses_kl and config.ref.engine is not None:
+        paths["ref.engine.model.path"] = config.ref.engine.model.path
+    if config.critic.enable and config.critic.engine is not None:
+        paths["critic.engine.model.path"] = config.critic.engine.model.path
+    return paths
+
+
+def _models(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]:
+    from verl_core.engine.hf import HF_CONFIG_FILE, check_model_dir
+
+    tokenizer_size = None
+    for key, path in _model_paths(config).items():
+        try:
+            directory = check_model_dir(path, key)
+        except ConfigError as error:
+            yield from error.errors
+            continue
+        try:
+            model_config = json.loads((directory / HF_CONFIG_FILE).read_text())
+        except (OSError, ValueError) as error:
+            yield key, f"{directory / HF_CONFIG_FILE} cannot be read as JSON ({error}): save the model again"
+            continue
+        yield from _weights(key, directory)
+        if key == "actor.engine.model.path":  # the run's tokenizer: the policy's (trainer.build)
+            tokenizer_size = yield from _tokenizer(config, key)
+        vocabulary = model_config.get("vocab_size")
+        if tokenizer_size and isinstance(vocabulary, int) and tokenizer_size > vocabulary:
+            yield (
+                key,
+                f"the tokenizer (actor.engine.model.path) has {tokenizer_size} tokens but {directory}'s "
+                f"vocabulary has {vocabulary} (config.json vocab_size): ids from {vocabulary} on would index "
+                "past the embedding; use the tokenizer saved with this model, or resize its embeddings "
+                "(model.resize_token_embeddings(len(tokenizer))) and save it again",
+            )
+
+
+def _tokenizer(config: RunConfig, key: str) -> Iterator[tuple[str, str]]:
+    """The problems of the run's tokenizer; returns its size (None when it cannot load)."""
+    from verl_core.trainer.build import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(config.actor.engine.model)
+    except ConfigError as error:
+        yield from error.errors
+        return None
+    return len(tokenizer)
+
+
+def _weights(key: str, directory: Path) -> Iterator[tuple[str, str]]:
+    """Weight files that are missing or cut short: their headers (or zip directories) are read, not
+    their tensors."""
+    indexes = [directory / name for name in WEIGHT_INDEXES if (directory / name).is_file()]
+    files: list[Path] = []
+    for index in indexes:
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as error:
+            yield (
+                key,
+                f"{index} is not a weight index ({type(error).__name__}: {error}): save the model again",
+            )
+            continue
+        for shard in shards:
+            if not (directory / shard).is_file():
+                yield key, f"{index.name} lists {shard}, which is missing from {directory}: copy it again"
+            else:
+                files.append(directory / shard)
+    if not indexes:
+        files = [
+            path
+            for pattern in ("*.safetensors", "pytorch_model*.bin")
+            for path in sorted(directory.glob(pattern))
+        ]
+        if not files:
+            yield (
+                key,
+                f"{directory} holds no weights (*.safetensors or pytorch_model.bin): save the model again",
+            )
+    for path in files:
+        problem = file_problem(path)
+        if problem:
+            yield (
+                key,
+                f"{path} {problem}: the file is damaged or was cut short (copy it again, or save the model again)",
+            )
+
+
+# -- folders --------------------------------------------------------------------------------------------
+
+
+def _checkpoint_dir(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]:
+    trainer = config.trainer
+    if trainer.save_freq:
+        yield from _writable("trainer.checkpoint_dir", trainer.checkpoint_dir)
+    yield from checkpoints.checkpoint_dir_problems(trainer, kind)
+    if trainer.resume_mode == "resume_path" and trainer.resume_from_path:
+        try:
+            checkpoints.open_trainer_checkpoint(trainer.resume_from_path)
+        except CheckpointError as error:  # naming the folder and what is wrong with it
+            yield "trainer.resume_from_path", str(error)
+
+
+def _writable(key: str, path: str) -> Iterator[tuple[str, str]]:
+    """``path`` is a folder this process can create files in, or can be created as one."""
+    target = Path(path).expanduser()
+    if target.exists() and not target.is_dir():
+        yield key, f"{path!r} is a file, not a folder: give a folder (it is created if missing)"
+        return
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        yield key, f"{path!r} cannot be created: {existing} is a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        yield (
+            key,
+            f"{path!r} is not writable by this user ({existing} is not): choose a folder you can write to",
+        )
+
+
+# -- optional packages ----------------------------------------------------------------------------------
+
+
+def _loggers(config: RunConfig) -> Iterator[tuple[str, str]]:
+    for logger in config.trainer.logger:
+        package, install = LOGGER_PACKAGES.get(logger, (None, None))
+        if package is not None and importlib.util.find_spec(package) is None:
+            yield (
+                "trainer.logger",
+                f"{logger!r} needs the {package} package, which is not installed: {install}, or leave "
+                f"{logger!r} out of trainer.logger",
+            )
+
+
+def describe_kind(kind: TrainerKind, detected: bool) -> str:
+    """One line saying which trainer a config was checked for, and why."""
+    command = "verl-core sft" if kind == "sft" else "verl-core train"
+    reason = ""
+    if detected:
+        reason = (
+            " (the rows of data.train_files have the data.response_key column)"
+            if kind == "sft"
+            else " (no data.response_key column in data.train_files)"
+        )
+    return f"checked as a config for `{command}`{reason}"

@@ -1,0 +1,169 @@
+"""Everything checkable without a worker is checked before anything starts, all at once, each problem
+at its config key: by ``verl-core config`` (exit 2) and by ``train``/``sft`` before Ray or an engine.
+
+Every case is a mistake a new user makes, on the demo's tiny model and data; each failed (or passed
+silently until a worker hit it) before these checks existed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from fixtures.demo import build_small_demo, run_overrides
+
+from verl_core.cli import main
+from verl_core.config import load_config
+from verl_core.errors import ConfigError
+from verl_core.trainer import preflight as preflight_module
+from verl_core.trainer.preflight import check_run, trainer_kind
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return build_small_demo(tmp_path_factory.mktemp("demo"))
+
+
+def config_errors(capsys, *args: str) -> dict[str, str]:
+    """``verl-core config ARGS``: exit 2, and the errors it printed by key."""
+    assert main(["config", *args]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    errors = {}
+    for line in err.splitlines():
+        key, colon, message = line.strip().partition(": ")
+        if colon and not line.startswith(("warning", "verl-core")) and line.startswith("  "):
+            errors[key] = message
+    return errors
+
+
+def model_copy(demo, tmp_path: Path) -> Path:
+    copy = tmp_path / "model"
+    shutil.copytree(demo.model, copy)
+    return copy
+
+
+def test_a_valid_rl_config_passes_and_says_what_it_was_checked_for(demo, tmp_path, capsys) -> None:
+    assert main(["config", *run_overrides(demo, tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "actor:" in captured.out
+    assert "checked as a config for `verl-core train`" in captured.err
+
+
+def test_an_sft_config_is_told_from_its_data_and_passes(demo, tmp_path, capsys) -> None:
+    """The demo's SFT config has no algorithm section, so the RL rules (gae needs a critic) refused it."""
+    overrides = run_overrides(demo, tmp_path, **{"data.train_files": f"[{demo.sft}]", "data.val_files": "[]"})
+    overrides = [o for o in overrides if not o.startswith(("algorithm.", "reward.", "rollout.n"))]
+    assert main(["config", *overrides]) == 0
+    assert "checked as a config for `verl-core sft`" in capsys.readouterr().err
+    assert main(["config", "--for", "train", *overrides]) == 2
+    assert "critic.enable: adv_estimator 'gae' needs a critic" in capsys.readouterr().err
+
+
+def test_missing_files_and_folders_are_named_by_key_all_at_once(demo, tmp_path, capsys) -> None:
+    errors = config_errors(
+        capsys,
+        *run_overrides(
+            demo,
+            tmp_path,
+            **{
+                "data.train_files": f"[{tmp_path / 'train.jsonl'}]",
+                "data.val_files": f"[{demo.val}, {tmp_path / 'val.jsonl'}]",
+                "actor.engine.model.path": "models/mymodel",
+            },
+        ),
+    )
+    assert "not found" in errors["data.train_files[0]"]
+    assert "not found" in errors["data.val_files[1]"] and "data.val_files[0]" not in errors
+    # A missing relative folder first, a hub id only perhaps: it names the working directory.
+    assert errors["actor.engine.model.path"].startswith(
+        "'models/mymodel' does not exist (relative paths are relative to"
+    )
+
+
+def test_a_model_folder_without_a_tokenizer(demo, tmp_path, capsys) -> None:
+    model = model_copy(demo, tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (model / name).unlink(missing_ok=True)
+    errors = config_errors(capsys, *run_overrides(demo, tmp_path, **{"actor.engine.model.path": model}))
+    assert "has no tokenizer files" in errors["actor.engine.model.path"], errors
+
+
+def test_a_tokenizer_larger_than_the_vocabulary(demo, tmp_path, capsys) -> None:
+    model = model_copy(demo, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    config["vocab_size"] = 10  # the demo's tokenizer has more tokens
+    (model / "config.json").write_text(json.dumps(config))
+    errors = config_errors(capsys, *run_overrides(demo, tmp_path, **{"actor.engine.model.path": model}))
+    assert "vocabulary has 10" in errors["actor.engine.model.path"], errors
+
+
+def test_truncated_weights(demo, tmp_path, capsys) -> None:
+    model = model_copy(demo, tmp_path)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    errors = config_errors(capsys, *run_overrides(demo, tmp_path, **{"actor.engine.model.path": model}))
+    assert "model.safetensors is" in errors["actor.engine.model.path"]
+    assert "cut short" in errors["actor.engine.model.path"]
+
+
+def test_a_checkpoint_dir_that_cannot_be_created_or_belongs_to_another_run(demo, tmp_path, capsys) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    errors = config_errors(
+        capsys,
+        *run_overrides(
+            demo, tmp_path, **{"trainer.checkpoint_dir": blocker / "checkpoints", "trainer.save_freq": 1}
+        ),
+    )
+    assert "is a file" in errors["trainer.checkpoint_dir"], errors
+
+    sft_checkpoints = tmp_path / "sft_checkpoints" / "global_step_3"
+    sft_checkpoints.mkdir(parents=True)
+    (sft_checkpoints / "verl_checkpoint.json").write_text(
+        json.dumps({"global_step": 3, "backend": "trainer", "world_size": 1})
+    )
+    (sft_checkpoints / "trainer_state.json").write_text(json.dumps({"trainer": "sft", "global_step": 3}))
+    errors = config_errors(
+        capsys, *run_overrides(demo, tmp_path, **{"trainer.checkpoint_dir": sft_checkpoints.parent})
+    )
+    assert "written by `verl-core sft`" in errors["trainer.checkpoint_dir"], errors
+
+
+def test_a_logger_whose_package_is_missing(demo, tmp_path, capsys, monkeypatch) -> None:
+    real = preflight_module.importlib.util.find_spec
+    monkeypatch.setattr(
+        preflight_module.importlib.util,
+        "find_spec",
+        lambda name: None if name == "tensorboard" else real(name),
+    )
+    errors = config_errors(capsys, *run_overrides(demo, tmp_path, **{"trainer.logger": "[tensorboard]"}))
+    assert 'pip install "verl-core[tensorboard]"' in errors["trainer.logger"]
+
+
+def test_the_checks_find_every_problem_of_one_config(demo, tmp_path) -> None:
+    config = load_config(
+        [],
+        run_overrides(
+            demo,
+            tmp_path,
+            **{"data.train_files": "[missing.jsonl]", "actor.engine.model.path": tmp_path / "nowhere"},
+        ),
+    )
+    keys = [key for key, _ in check_run(config, trainer_kind(config))]
+    assert keys == ["data.train_files[0]", "actor.engine.model.path"]
+
+
+def test_train_reports_them_before_anything_starts(demo, tmp_path, capsys, monkeypatch) -> None:
+    from verl_core.trainer import build
+
+    monkeypatch.setattr(build, "build_roles", lambda *a, **k: pytest.fail("workers started"))
+    overrides = run_overrides(demo, tmp_path, **{"data.val_files": "[missing.jsonl]"})
+    assert main(["train", *overrides]) == 2
+    assert "data.val_files[0]" in capsys.readouterr().err
+    with pytest.raises(ConfigError):
+        from verl_core.trainer.rl import RLTrainer
+
+        RLTrainer.from_config(load_config([], overrides))

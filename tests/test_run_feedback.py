@@ -1,0 +1,134 @@
+"""A run says what it does and survives the everyday mistakes: the start-up phases, which checkpoint it
+resumed from, settings a resume cannot apply, a damaged newest checkpoint, a finished run started again,
+a failing reward under ``on_error=zero``, SFT with a decaying rate over ``total_training_steps``, and
+the end-of-run summary. In process, on the demo's tiny model (each test failed on the code before)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shutil
+
+import pytest
+import torch
+from fixtures.demo import build_small_demo, run_overrides
+
+from verl_core.cli import main
+from verl_core.config import load_config
+from verl_core.errors import NothingToTrain
+from verl_core.trainer.rl import RLTrainer
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return build_small_demo(tmp_path_factory.mktemp("demo"), sft_size=32)
+
+
+@pytest.fixture(scope="module")
+def finished_run(demo, tmp_path_factory):
+    """``verl-core train``: two RL steps with a checkpoint after each; ``(run folder, overrides, what
+    it printed on stderr)``."""
+    run = tmp_path_factory.mktemp("run")
+    overrides = run_overrides(
+        demo, run, **{"trainer.save_freq": 1, "trainer.test_freq": 2, "trainer.val_n": 2}
+    )
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["train", *overrides]) == 0
+    return run, overrides, err.getvalue()
+
+
+def rl_trainer(overrides: list[str], **changes) -> RLTrainer:
+    changed = [*overrides, *(f"{key}={value}" for key, value in changes.items())]
+    return RLTrainer.from_config(load_config([], changed), show_progress=False)
+
+
+def test_a_run_talks_from_start_to_end(finished_run) -> None:
+    _, _, err = finished_run
+    for line in (
+        "verl-core: loading the tokenizer and the datasets ...",
+        "verl-core: starting the actor (in process: engines and rollout): done in",
+        "verl-core: sample at step 0: ",  # validation generations on the console
+        "verl-core: done: 2 step(s) in",
+        "verl-core:   val/score/mean: ",
+        "verl-core:   reward/mean: ",
+        "verl-core:   checkpoints: ",
+        "verl-core:   curves: ",
+    ):
+        assert line in err, (line, err)
+
+
+def test_starting_a_finished_run_again_trains_nothing_and_starts_nothing(
+    finished_run, capsys, monkeypatch
+) -> None:
+    from verl_core.trainer import build
+
+    _, overrides, _ = finished_run
+    monkeypatch.setattr(build, "build_roles", lambda *a, **k: pytest.fail("workers started for nothing"))
+    assert main(["train", *overrides]) == 0
+    assert "nothing to train: the checkpoint" in capsys.readouterr().err
+    with pytest.raises(NothingToTrain, match="at step 2 of 2"):
+        rl_trainer(overrides)
+
+
+def test_a_resume_says_where_from_and_warns_about_settings_it_cannot_apply(finished_run, capsys) -> None:
+    _, overrides, _ = finished_run
+    trainer = rl_trainer(overrides, **{"trainer.total_training_steps": 3, "actor.engine.optim.lr": 0.5})
+    try:
+        assert trainer.resume() == 2
+    finally:
+        trainer.shutdown()
+    err = capsys.readouterr().err
+    assert "actor.engine.optim.lr: 0.001 in the checkpoint, 0.5 now" in err, err
+    assert trainer.resumed_from.name == "global_step_2"
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_naming_the_file(finished_run, tmp_path, capsys) -> None:
+    run, overrides, _ = finished_run
+    checkpoints = shutil.copytree(run / "checkpoints", tmp_path / "checkpoints")
+    newest = checkpoints / "global_step_2" / "actor" / "model.pt"
+    newest.write_bytes(newest.read_bytes()[:100])  # a partial copy
+    trainer = rl_trainer(
+        overrides, **{"trainer.total_training_steps": 3, "trainer.checkpoint_dir": checkpoints}
+    )
+    try:
+        assert trainer.resume() == 1
+    finally:
+        trainer.shutdown()
+    err = capsys.readouterr().err
+    assert (
+        f"skipping the damaged checkpoint {newest.parents[1]} ({newest} is not a whole torch file" in err
+    ), err
+    assert trainer.resumed_from.name == "global_step_1"
+
+
+def test_a_failing_reward_under_on_error_zero_is_shown_once(demo, tmp_path, capsys) -> None:
+    reward = tmp_path / "reward.py"
+    reward.write_text("def score(prompt, response, extra):\n    raise ValueError('no answer found')\n")
+    overrides = run_overrides(
+        demo,
+        tmp_path,
+        **{"reward.function": f"{reward}:score", "reward.on_error": "zero", "trainer.test_freq": 0},
+    )
+    assert main(["train", *overrides]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "reward function failed" in line]
+    assert len(warnings) == 1 and "ValueError: no answer found" in warnings[0], warnings
+
+
+def test_sft_with_a_decaying_rate_over_total_training_steps(demo, tmp_path, capsys) -> None:
+    overrides = run_overrides(
+        demo,
+        tmp_path,
+        **{
+            "data.train_files": f"[{demo.sft}]",
+            "data.val_files": "[]",
+            "data.train_batch_size": 8,
+            "trainer.total_training_steps": 3,
+            "actor.engine.optim.lr_scheduler": "cosine",
+            "actor.engine.optim.lr_warmup_steps": 1,
+        },
+    )
+    assert main(["sft", *overrides]) == 0, capsys.readouterr().err
+    assert "done: 3 step(s)" in capsys.readouterr().err

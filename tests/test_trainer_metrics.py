@@ -225,8 +225,8 @@ def test_console_line_shows_the_key_metrics_and_counts_the_rest(tmp_path, capsys
     )
 
 
-def test_without_console_nothing_is_printed(tmp_path, capsys):
-    log_steps(tmp_path, [1, 2])
+def test_without_console_or_progress_nothing_is_printed(tmp_path, capsys):
+    log_steps(tmp_path, [1, 2], show_progress=False)
     assert capsys.readouterr() == ("", "")  # stderr is no terminal here: no progress bar either
 
 
@@ -308,3 +308,16 @@ def test_write_jsonl_keeps_text_readable_and_non_finite_numbers_null(tmp_path):
     write_jsonl(path, records[:1])  # replaced, not appended
     assert len(path.read_text().splitlines()) == 1
     assert sorted(p.name for p in path.parent.iterdir()) == ["step_20.jsonl"]
+
+
+def test_without_a_terminal_or_console_lines_a_plain_progress_line_every_tenth(tmp_path, capsys) -> None:
+    """Under a pipe (nox, a CI log) with ``trainer.logger: []`` a run would say nothing for its length."""
+    with MetricsLogger(tmp_path, [], total_steps=20) as logger:
+        for step in range(1, 21):
+            logger.log(step, {REWARD_KEY: step / 20})
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("verl-core: step ")]
+    assert [line.split()[2] for line in lines] == [f"{step}/20" for step in range(2, 21, 2)]
+    assert "(100%)" in lines[-1] and "reward/mean=1" in lines[-1] and "s left" in lines[-1]
+    with MetricsLogger(tmp_path, ["console"], total_steps=20) as logger:  # console lines say it already
+        logger.log(1, {REWARD_KEY: 0.5})
+    assert "verl-core: step" not in capsys.readouterr().err

@@ -364,10 +364,12 @@ def _run_trainer(args: argparse.Namespace, trainer_class: Any) -> int:
     """Load the config, build the trainer (exit 2 on bad input, 0 if nothing is left to train), fit
     (exit 1 if the run fails), plot."""
     from verl_core.errors import NothingToTrain
+    from verl_core.trainer.build import quiet_progress_bars
 
     config = _load_run_config(args, rl_rules=trainer_class.uses_rl_rules)
     if config is None:
         return 2
+    quiet_progress_bars()
     try:
         trainer = trainer_class.from_config(config)
     except NothingToTrain as finished:

@@ -110,4 +110,14 @@ class WorkerMaker:
         self.registry = registry if config.trainer.workers == "in_process" else None
 
     def __call__(self) -> Any:
+        if self.config.trainer.workers == "ray":  # a rank's own process: the run's console is the driver's
+            quiet_progress_bars()
         return self.worker_class(self.config, self.registry)
+
+
+def quiet_progress_bars() -> None:
+    """No ``transformers`` progress bars (loading weights, writing shards) in this process: a run's
+    console says what it does in its own lines (``trainer.console``)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()

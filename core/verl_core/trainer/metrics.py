@@ -9,7 +9,9 @@ The trainer times the phases of a step with ``Timer.phase`` (``timing/generate``
   from it, and a resumed run continues it;
 - prints one line when ``console`` is in ``trainer.logger``;
 - writes TensorBoard scalars under ``RUN_DIR/tensorboard/`` when ``tensorboard`` is;
-- moves a progress bar (step/total, reward, tokens/s, ETA) on stderr when that is a terminal.
+- moves a progress bar (step/total, reward, tokens/s, ETA) on stderr when that is a terminal, and
+  otherwise, when no console line is printed either, writes a plain progress line every tenth of the
+  run (and at least every ``PROGRESS_EVERY_S`` seconds), so that a run under a pipe is never silent.
 
 The trainer, the console line, the progress bar and the plot agree on the metric keys through the
 ``*_KEY`` constants below; docs/training.md ("Metrics, logs and plots") lists every key and the run folder's layout.
@@ -73,6 +75,8 @@ CONSOLE_FIRST: tuple[str, ...] = (
 )
 #: Bytes in a MiB.
 MIB = 1024 * 1024
+#: Without a terminal and without console lines, a progress line at least this often (seconds).
+PROGRESS_EVERY_S = 30.0
 
 
 # -- timings, throughput, memory ------------------------------------------------------------------
@@ -225,6 +229,14 @@ class MetricsLogger:
             self._bar = tqdm(
                 total=total_steps, initial=start_step, unit="step", file=sys.stderr, dynamic_ncols=True
             )
+        #: A plain progress line every this many steps, when neither the bar nor console lines show.
+        self._progress_every = (
+            max(1, total_steps // 10)
+            if show_progress and self._bar is None and "console" not in self.loggers
+            else 0
+        )
+        self._started, self._start_step = time.perf_counter(), start_step
+        self._last_progress = self._started
 
     def truncate_after(self, step: int) -> None:
         """Keep the lines of ``metrics.jsonl`` of steps up to ``step``, drop those of later steps.
@@ -268,6 +280,8 @@ class MetricsLogger:
             for key, value in values.items():
                 self._writer.add_scalar(key, value, step)
             self._writer.flush()
+        if self._progress_every:
+            self._plain_progress(step, values)
         if self._bar is not None:
             shown = {"reward": values.get(REWARD_KEY), "tok/s": values.get(TOKENS_PER_S_KEY)}
             self._bar.set_postfix_str(
@@ -275,6 +289,22 @@ class MetricsLogger:
                 refresh=False,
             )
             self._bar.update(step - self._bar.n)
+
+    def _plain_progress(self, step: int, values: Mapping[str, float]) -> None:
+        now = time.perf_counter()
+        due = step % self._progress_every == 0 or step == self.total_steps
+        if not (due or now - self._last_progress >= PROGRESS_EVERY_S) or step <= self._start_step:
+            return
+        self._last_progress = now
+        per_step = (now - self._started) / (step - self._start_step)
+        shown = [f"{key}={_format(values[key])}" for key in (REWARD_KEY, VAL_SCORE_KEY) if key in values]
+        print(
+            f"verl-core: step {step}/{self.total_steps} ({100 * step // self.total_steps}%), "
+            f"{per_step:.2f} s/step, about {per_step * (self.total_steps - step):.0f} s left"
+            + "".join(f", {item}" for item in shown),
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _write(self, line: str, stream: TextIO) -> None:
         """``line`` on ``stream``, above the progress bar if there is one."""

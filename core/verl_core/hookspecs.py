@@ -53,24 +53,60 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 @hookspec
 def verl_engine_backends() -> list[EngineBackend]:
-    """Return the engine backends this plugin provides."""
+    """Return the engine backends this plugin provides.
+
+    :return: a list (or tuple) of ``EngineBackend``; ``[]`` or no implementation for none. A config
+        selects one with ``<section>.engine.backend`` (``actor.engine.backend: fsdp``).
+
+    Called once per plugin when the registry is built (the first ``get_registry()`` of a process, and
+    ``verl-core plugins``), before any engine is needed: import nothing heavy here, name the engine and
+    its options class by import string. Raising, returning another type, or an invalid descriptor makes
+    the plugin ``broken`` (its error names it); the other plugins keep working. A backend whose
+    ``api_version`` core does not accept is listed ``incompatible`` and refused on lookup.
+    """
 
 
 @hookspec
 def verl_advantage_estimators() -> list[AdvantageEstimator]:
-    """Return the advantage estimators this plugin provides (selected by ``algorithm.adv_estimator``)."""
+    """Return the advantage estimators this plugin provides.
+
+    :return: a list (or tuple) of ``AdvantageEstimator``, selected by ``algorithm.adv_estimator``.
+
+    Called once per plugin when the registry is built; the estimator's function is imported when a
+    run selects it. Failures make the plugin ``broken``, as for ``verl_engine_backends``.
+    """
 
 
 @hookspec
 def verl_policy_losses() -> list[PolicyLoss]:
-    """Return the policy losses this plugin provides (selected by ``actor.policy_loss.loss_mode``)."""
+    """Return the policy losses this plugin provides.
+
+    :return: a list (or tuple) of ``PolicyLoss``, selected by ``actor.policy_loss.loss_mode``.
+
+    Called once per plugin when the registry is built; the loss function is imported when a run
+    selects it. Failures make the plugin ``broken``, as for ``verl_engine_backends``.
+    """
 
 
 @hookspec
 def verl_rollout_backends() -> list[RolloutBackend]:
-    """Return the rollout backends this plugin provides (selected by ``rollout.backend``)."""
+    """Return the rollout (generation) backends this plugin provides.
+
+    :return: a list (or tuple) of ``RolloutBackend``, selected by ``rollout.backend``.
+
+    Called once per plugin when the registry is built; the rollout class and its options class are
+    imported when a run selects them. Failures make the plugin ``broken``, as for
+    ``verl_engine_backends``.
+    """
 
 
 @hookspec
 def verl_reward_functions() -> list[RewardFunction]:
-    """Return the reward functions this plugin provides (selected by ``reward.function``)."""
+    """Return the reward functions this plugin provides.
+
+    :return: a list (or tuple) of ``RewardFunction``, selected by ``reward.function`` (which may also
+        be ``path/to/file.py:function`` without any plugin).
+
+    Called once per plugin when the registry is built; the function is imported when a run selects
+    it. Failures make the plugin ``broken``, as for ``verl_engine_backends``.
+    """

@@ -26,18 +26,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from verl_core.config import DataConfig, RolloutConfig, structure
-from verl_core.data.dataset import (
-    EpochSampler,
-    PromptDataset,
-    PromptRow,
-    Rows,
-    SamplerBatch,
-    SFTDataset,
-    SFTRow,
-    load_prompt_datasets,
-    read_rows,
-    sequential_batches,
-)
+from verl_core.data.dataset import PromptDataset, PromptRow, SFTDataset, SFTRow, load_prompt_datasets
+from verl_core.data.files import Rows, read_rows
+from verl_core.data.sampler import EpochSampler, SamplerBatch, sequential_batches
 from verl_core.errors import ConfigError, DataError
 
 CHAT_TEMPLATE = (
@@ -185,12 +176,13 @@ def test_parquet_without_pyarrow_says_how_to_install_it(tmp_path, monkeypatch):
         read_rows([path], "data.train_files")
 
 
-def test_the_dataset_module_imports_neither_torch_nor_pyarrow_for_jsonl(tmp_path):
+def test_the_data_modules_import_neither_torch_nor_pyarrow_for_jsonl(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", ROWS)
     code = textwrap.dedent(
         f"""
         import sys
-        from verl_core.data.dataset import read_rows
+        import verl_core.data.dataset, verl_core.data.sampler
+        from verl_core.data.files import read_rows
         assert read_rows([{path!r}], "data.train_files")
         assert "torch" not in sys.modules, "torch imported"
         assert "pyarrow" not in sys.modules, "pyarrow imported"
@@ -362,9 +354,9 @@ class CountingTokenizer:
 
 
 def test_prompts_are_tokenized_once_at_construction_in_batched_calls(tokenizer, monkeypatch):
-    import verl_core.data.dataset as dataset_module
+    import verl_core.data.rendering as rendering
 
-    monkeypatch.setattr(dataset_module, "ENCODE_CHUNK", 4)
+    monkeypatch.setattr(rendering, "ENCODE_CHUNK", 4)
     counting = CountingTokenizer(tokenizer)
     rows = [{"prompt": f"p{i}"} for i in range(10)]
     dataset = PromptDataset(rows, counting, max_prompt_length=64)

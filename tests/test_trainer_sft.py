@@ -12,7 +12,8 @@ from fixtures.demo import build_small_demo, make_demo_module, run_overrides
 
 from verl_core.config import load_config
 from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
-from verl_core.data.dataset import EpochSampler, SFTRow
+from verl_core.data.dataset import SFTRow
+from verl_core.data.sampler import EpochSampler
 from verl_core.trainer import checkpoints
 from verl_core.trainer.sft import SFT_LOSS_KEY, VAL_LOSS_KEY, SFTTrainer, sft_batch
 

@@ -19,7 +19,7 @@ from typing import Literal
 
 from verl_core.config.run import RunConfig
 from verl_core.config.validators import each_rule
-from verl_core.data.dataset import read_file
+from verl_core.data.files import read_file
 from verl_core.engine.checkpoint import CheckpointError
 from verl_core.engine.integrity import file_problem
 from verl_core.errors import ConfigError, DataError

@@ -35,13 +35,8 @@ from verl_core.data.batch import (
     VALUES,
     concat_batches,
 )
-from verl_core.data.dataset import (
-    EpochSampler,
-    PromptDataset,
-    PromptRow,
-    load_prompt_datasets,
-    sequential_batches,
-)
+from verl_core.data.dataset import PromptDataset, PromptRow, load_prompt_datasets
+from verl_core.data.sampler import EpochSampler, sequential_batches
 from verl_core.errors import ConfigError, TrainerError
 from verl_core.reward import load_reward_function, score_responses
 from verl_core.rollout.base import ROLLOUT_LOG_PROBS, SamplingParams

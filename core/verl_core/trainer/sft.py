@@ -31,7 +31,8 @@ from tensordict import TensorDict
 from verl_core.config.loading import fill_total_steps
 from verl_core.config.run import DataConfig, RolloutConfig, RunConfig
 from verl_core.data.batch import RESPONSE_MASK, join_prompts_and_responses, left_pad
-from verl_core.data.dataset import EpochSampler, SFTDataset, SFTRow, sequential_batches
+from verl_core.data.dataset import SFTDataset, SFTRow
+from verl_core.data.sampler import EpochSampler, sequential_batches
 from verl_core.errors import ConfigError
 from verl_core.trainer import checkpoints, console
 from verl_core.trainer.loop import Trainer, check_not_finished

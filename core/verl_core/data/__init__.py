@@ -1,14 +1,16 @@
 """The batch contract (verl's key names), global counts, micro-batching, and the datasets: prompt
 files for RL and prompt/response files for SFT, and the seeded, resumable epoch order of prompts.
 
-The batch contract's names below are importable from ``verl_core.data`` and from their module; imports
-are lazy (``tensordict`` and torch load only when a name that needs them is used).
+The names below are importable from ``verl_core.data`` and from their module; imports are lazy
+(``tensordict`` and torch load only when a name that needs them is used).
 """
 
 from verl_core.lazy import lazy_exports
 
 _BATCH = "verl_core.data.batch"
 _MICROBATCH = "verl_core.data.microbatch"
+_DATASET = "verl_core.data.dataset"
+_SAMPLER = "verl_core.data.sampler"
 
 _EXPORTS = {
     # batch keys
@@ -36,6 +38,16 @@ _EXPORTS = {
     "MicroBatchSplit": _MICROBATCH,
     "split_micro_batches": _MICROBATCH,
     "partition_by_token_budget": _MICROBATCH,
+    # datasets and their order
+    "read_rows": "verl_core.data.files",
+    "PromptDataset": _DATASET,
+    "PromptRow": _DATASET,
+    "SFTDataset": _DATASET,
+    "SFTRow": _DATASET,
+    "load_prompt_datasets": _DATASET,
+    "EpochSampler": _SAMPLER,
+    "SamplerBatch": _SAMPLER,
+    "sequential_batches": _SAMPLER,
 }
 
 __all__ = sorted(_EXPORTS)

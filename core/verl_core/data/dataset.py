@@ -22,6 +22,7 @@ import attrs
 
 from verl_core.data.files import column_value, read_rows, row_location
 from verl_core.data.rendering import check_chat_template, encode, render_prompt
+from verl_core.deprecation import moved_names
 from verl_core.errors import DataError
 
 if TYPE_CHECKING:
@@ -296,3 +297,18 @@ class SFTDataset:
     def select(self, indices: Iterable[int]) -> list[SFTRow]:
         """The items at ``indices`` (a ``SamplerBatch``'s), in that order."""
         return [self._items[index] for index in indices]
+
+
+# Until 0.2.0 this module also read the files and ordered the prompts.
+__getattr__ = moved_names(
+    __name__,
+    {
+        "read_rows": "verl_core.data.files:read_rows",
+        "Rows": "verl_core.data.files:Rows",
+        "EpochSampler": "verl_core.data.sampler:EpochSampler",
+        "SamplerBatch": "verl_core.data.sampler:SamplerBatch",
+        "sequential_batches": "verl_core.data.sampler:sequential_batches",
+    },
+    since="0.2.0",
+    removed_in="0.4.0",
+)

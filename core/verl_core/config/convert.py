@@ -1,44 +1,41 @@
-"""Plain data <-> config classes, with every error reported at its full dotted path.
+"""Plain data <-> verl-core's config classes, with every error reported at its full dotted path.
 
-The hooks here structure the attrs classes field by field with cattrs (unknown keys refused, errors
-collected per field) and make it strict where cattrs would coerce (``"1e-5"`` into a float, ``"abc"``
-into a list of characters, ``2.7`` into ``2``, ``.inf`` into a learning rate). They run each class's
-field validators, look up the names of registered components (``verl_core.config.names``), run its
-``check()`` rules and select a backend's own options class by the ``backend`` name of an engine or
-rollout section. Every failure becomes a ``(path, message)`` pair in one ``ConfigError``.
-
-A section with errors does not hide the others' rules: it is handed on holding the fields whose
-values are valid (the others unset), so that rules whose inputs are there still run and rules
-that read an unset field are skipped (``verl_core.config.validators.each_rule``). Options the run
-will ignore (a class's ``ignored()``, another backend's section) become ``ConfigWarning`` s.
+``structure`` builds a config class from YAML-loaded data on the strict converter of
+``verl_core.config.strict`` (no coercion, every error at its path, sections that keep checking their
+rules when another has errors), adding verl-core's own semantics: the names of registered components
+are looked up in the registry of the call in progress, and an engine or rollout section's options are
+structured into its backend's own options class, selected by the section's ``backend`` name (in YAML
+they sit under a key named after the backend). Options the run will ignore (a class's ``ignored()``,
+another backend's section) become ``ConfigWarning`` s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import difflib
-import math
-import types
 import typing
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import attrs
-import cattrs
-from cattrs.errors import (
-    AttributeValidationNote,
-    BaseValidationError,
-    ForbiddenExtraKeysError,
-    IterableValidationNote,
-)
 from cattrs.gen import make_dict_unstructure_fn
 
 from verl_core.config import names
 from verl_core.config.engine import EngineConfig
 from verl_core.config.run import RolloutConfig
-from verl_core.config.validators import InvalidValue, is_unstructured
+from verl_core.config.strict import (
+    Draft,
+    Errors,
+    converter,
+    current_path,
+    errors_of,
+    finish_section,
+    ignored_options,
+    join_path,
+    section_mapping,
+    structure_fields,
+    unknown_key_message,
+    unvalidated_copy,
+    warn_ignored,
+)
 from verl_core.errors import ConfigError, ConfigWarning
 from verl_core.hookspecs import ENGINE_BACKENDS, ROLLOUT_BACKENDS
 
@@ -46,20 +43,8 @@ if typing.TYPE_CHECKING:
     from verl_core.plugins import Registry
 
 T = TypeVar("T")
-Errors = list[tuple[str, str]]
 
-MISSING_KEY = "required key is missing: set it in the YAML file or with an override"
-
-_converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
-#: The registry that names are looked up in, for the ``structure`` call in progress.
-_registry: contextvars.ContextVar[Registry | None] = contextvars.ContextVar("registry", default=None)
-#: Full dotted path of the value being structured (errors get theirs on the way up; warnings here).
-_path: contextvars.ContextVar[str] = contextvars.ContextVar("path", default="")
-#: ``(full.path, message)`` of each option the run will ignore, for the ``structure`` call in progress.
-_warnings: contextvars.ContextVar[Errors | None] = contextvars.ContextVar("warnings", default=None)
-
-
-# -- public API -----------------------------------------------------------------------------------
+__all__ = ["join_path", "structure", "structure_with_warnings", "unknown_key_message", "unstructure"]
 
 
 def structure(data: Any, cls: type[T], path: str = "", *, registry: Registry | None = None) -> T:
@@ -81,11 +66,15 @@ def structure_with_warnings(
 ) -> tuple[T, Errors]:
     """Like ``structure``, but return the warnings as ``(full.path, message)`` pairs instead of issuing
     them (``load_config`` adds where each value was set)."""
-    tokens = [(_registry, _registry.set(registry)), (_path, _path.set(path)), (_warnings, _warnings.set([]))]
+    tokens = [
+        (names.lookup_registry, names.lookup_registry.set(registry)),
+        (current_path, current_path.set(path)),
+        (ignored_options, ignored_options.set([])),
+    ]
     try:
-        return _converter.structure(data, cls), list(_warnings.get() or [])
+        return converter.structure(data, cls), list(ignored_options.get() or [])
     except Exception as exc:
-        raise ConfigError(_errors_of(exc, path)) from None
+        raise ConfigError(errors_of(exc, path)) from None
     finally:
         for variable, token in reversed(tokens):
             variable.reset(token)
@@ -94,404 +83,7 @@ def structure_with_warnings(
 def unstructure(obj: Any) -> Any:
     """Plain data (dicts, lists, scalars) that ``structure`` turns back into an equal ``obj`` and
     that YAML can hold: tuples become lists, backend options sit under the backend's name."""
-    return _converter.unstructure(obj)
-
-
-def unknown_key_message(key: str, allowed: list[str]) -> str:
-    """``unknown key (did you mean lr?)``, or the allowed keys when none is close."""
-    match = difflib.get_close_matches(key, allowed, n=1)
-    if match:
-        return f"unknown key (did you mean {match[0]}?)"
-    return f"unknown key (allowed keys: {', '.join(allowed)})"
-
-
-# -- errors ---------------------------------------------------------------------------------------
-
-
-def join_path(prefix: str, step: str) -> str:
-    """``actor`` + ``engine`` -> ``actor.engine``; ``data.train_files`` + ``[1]`` -> ``data.train_files[1]``."""
-    if not step:
-        return prefix
-    if not prefix:
-        return step
-    return prefix + step if step.startswith("[") else f"{prefix}.{step}"
-
-
-def _step_of(exc: BaseException) -> str | None:
-    """The field name or ``[index]`` / key that cattrs noted on ``exc`` while collecting it."""
-    for note in getattr(exc, "__notes__", ()):
-        if isinstance(note, AttributeValidationNote):
-            return note.name
-        if isinstance(note, IterableValidationNote):
-            return f"[{note.index}]" if isinstance(note.index, int) else str(note.index)
-    return None
-
-
-def _errors_of(exc: BaseException, path: str) -> Errors:
-    """Flatten what structuring raised into ``(full.path, message)`` pairs, in field order."""
-    if isinstance(exc, ConfigError):
-        return [(join_path(path, sub_path), message) for sub_path, message in exc.errors]
-    if isinstance(exc, ForbiddenExtraKeysError):
-        allowed = [field.name for field in attrs.fields(exc.cl) if field.init]
-        return [
-            (join_path(path, key), unknown_key_message(key, allowed))
-            for key in sorted(map(str, exc.extra_fields))
-        ]
-    if isinstance(exc, BaseValidationError):
-        errors: Errors = []
-        for sub in exc.exceptions:
-            step = _step_of(sub)
-            sub_path = join_path(path, step) if step is not None else path
-            if isinstance(sub, KeyError) and step is not None and sub.args == (step,):
-                errors.append((sub_path, MISSING_KEY))
-            else:
-                errors += _errors_of(sub, sub_path)
-        return errors
-    if isinstance(exc, (TypeError, ValueError)):
-        return [(path, str(exc))]
-    return [(path, f"{type(exc).__name__}: {exc}")]
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _mismatch(expected: str, value: Any) -> TypeError:
-    hint = " (quote it to make it a string)" if expected == "str" and isinstance(value, (int, float)) else ""
-    return TypeError(f"expected {expected}, got {_short(value)}{hint}")
-
-
-# -- scalars: no coercion -------------------------------------------------------------------------
-
-
-def _structure_bool(value: Any, _: type) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise _mismatch("bool (true or false)", value)
-
-
-def _structure_int(value: Any, _: type) -> int:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise _mismatch("int", value)
-
-
-def _structure_float(value: Any, _: type) -> float:
-    # Finite only: no option takes .inf or .nan, and a NaN learning rate fails no range check.
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            number = float(value)
-        except OverflowError:  # an int beyond the floats
-            number = math.inf
-        if math.isfinite(number):
-            return number
-        raise ValueError(f"expected a finite float, got {_short(value)}")
-    raise _mismatch("float", value)
-
-
-def _structure_str(value: Any, _: type) -> str:
-    if isinstance(value, str):
-        return value
-    raise _mismatch("str", value)
-
-
-def _structure_literal(value: Any, literal: Any) -> Any:
-    allowed = typing.get_args(literal)
-    if any(value == option and type(value) is type(option) for option in allowed):
-        return value
-    names = [option for option in allowed if isinstance(option, str)]
-    match = difflib.get_close_matches(value, names, n=1) if isinstance(value, str) else []
-    suggestion = f" (did you mean {match[0]!r}?)" if match else ""
-    raise ValueError(f"expected one of {', '.join(map(repr, allowed))}; got {_short(value)}{suggestion}")
-
-
-# -- containers -----------------------------------------------------------------------------------
-
-
-def _is_union(tp: Any) -> bool:
-    return typing.get_origin(tp) in (typing.Union, types.UnionType)
-
-
-def _is_optional(tp: Any) -> bool:
-    return _is_union(tp) and len(typing.get_args(tp)) == 2 and type(None) in typing.get_args(tp)
-
-
-def _structure_optional(value: Any, optional: Any) -> Any:
-    if value is None:
-        return None
-    (inner,) = [arg for arg in typing.get_args(optional) if arg is not type(None)]
-    return _converter.structure(value, inner)
-
-
-def _structure_items(values: Any, item_types: list[Any]) -> list[Any]:
-    items, errors = [], []
-    for index, (value, item_type) in enumerate(zip(values, item_types, strict=True)):
-        try:
-            with _at(f"[{index}]"):
-                items.append(_converter.structure(value, item_type))
-        except Exception as exc:
-            errors += _errors_of(exc, f"[{index}]")
-    if errors:
-        raise ConfigError(errors)
-    return items
-
-
-def _structure_list(value: Any, list_type: Any) -> list[Any]:
-    if not isinstance(value, (list, tuple)):
-        raise _mismatch("a list", value)
-    (item_type,) = typing.get_args(list_type) or (Any,)
-    return _structure_items(value, [item_type] * len(value))
-
-
-def _structure_tuple(value: Any, tuple_type: Any) -> tuple[Any, ...]:
-    if not isinstance(value, (list, tuple)):
-        raise _mismatch("a list", value)
-    item_types = list(typing.get_args(tuple_type))
-    if not item_types or item_types[-1] is Ellipsis:
-        item_types = [item_types[0] if item_types else Any] * len(value)
-    elif len(value) != len(item_types):
-        raise TypeError(f"expected a list of {len(item_types)} items, got {len(value)}: {_short(value)}")
-    return tuple(_structure_items(value, item_types))
-
-
-def _structure_dict(value: Any, dict_type: Any) -> dict[Any, Any]:
-    if not isinstance(value, Mapping):
-        raise _mismatch("a mapping", value)
-    key_type, item_type = typing.get_args(dict_type) or (Any, Any)
-    result, errors = {}, []
-    for key, item in value.items():
-        try:
-            with _at(str(key)):
-                result[_converter.structure(key, key_type)] = _converter.structure(item, item_type)
-        except Exception as exc:
-            errors += _errors_of(exc, str(key))
-    if errors:
-        raise ConfigError(errors)
-    return result
-
-
-def _unstructure_tuple(value: tuple[Any, ...]) -> list[Any]:
-    return [_converter.unstructure(item) for item in value]
-
-
-# -- config classes -------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _at(step: str) -> Iterator[None]:
-    """Structure the value at ``step`` below the current path (for the warnings it gives)."""
-    token = _path.set(join_path(_path.get(), step))
-    try:
-        yield
-    finally:
-        _path.reset(token)
-
-
-def _warn(step: str, message: str) -> None:
-    """Record that the run will ignore the option at ``step`` below the current path."""
-    found = _warnings.get()
-    if found is not None:
-        found.append((join_path(_path.get(), step), message))
-
-
-class _SectionError(ConfigError):
-    """The errors of a section, with what of it structured: ``partial`` is an instance of the class
-    holding the fields whose values are valid and none of the others (reading one raises
-    ``AttributeError``), for the rules of the sections around it."""
-
-    def __init__(self, errors: Errors, partial: Any):
-        super().__init__(errors)
-        self.partial = partial
-
-
-@attrs.define
-class _Draft:
-    """A section being structured: the values that structured, the fields that did not, the errors."""
-
-    cls: type
-    values: dict[str, Any] = attrs.field(factory=dict)
-    #: Fields without a valid value: left unset in the section handed to the rules.
-    failed: set[str] = attrs.field(factory=set)
-    #: Fields holding a section with errors of its own (a ``_SectionError.partial``).
-    incomplete: set[str] = attrs.field(factory=set)
-    errors: Errors = attrs.field(factory=list)
-
-    def structure(self, name: str, value: Any, tp: Any, key: str | None = None) -> None:
-        """Structure the field ``name`` from ``value`` as ``tp``, recording the outcome; ``key`` is
-        where the value sits in YAML when not at ``name`` (backend options, under the backend's name)."""
-        step = name if key is None else key
-        try:
-            with _at(step):
-                self.values[name] = value if tp is None else _converter.structure(value, tp)
-        except _SectionError as exc:
-            self.values[name] = exc.partial
-            self.incomplete.add(name)
-            self.errors += _errors_of(exc, step)
-        except Exception as exc:
-            self.failed.add(name)
-            self.errors += _errors_of(exc, step)
-
-    def fail(self, name: str, message: str) -> None:
-        """Record that the field ``name`` has no valid value, and why."""
-        self.failed.add(name)
-        self.errors.append((name, message))
-
-
-def _structure_fields(draft: _Draft, fields: Iterable[attrs.Attribute], mapping: Mapping[Any, Any]) -> None:
-    """Structure each of ``fields`` present in ``mapping`` into ``draft``; a required one absent is an error."""
-    for field in fields:
-        if field.name in mapping:
-            draft.structure(field.name, mapping[field.name], field.type)
-        elif field.default is attrs.NOTHING:
-            draft.fail(field.name, MISSING_KEY)
-
-
-def _section_mapping(value: Any, cls: type) -> Mapping[str, Any]:
-    if value is None:  # ``section:`` with every key commented out
-        return {}
-    if not isinstance(value, Mapping):
-        raise _mismatch(f"a mapping of {cls.__name__} keys", value)
-    return value
-
-
-#: Passed to the stand-in of a class for a field that did not structure: set by no default.
-_UNSET = object()
-
-
-def _passing_unset(converter: Any) -> Any:
-    """``converter``, except that ``_UNSET`` goes through it unchanged."""
-    if converter is None:
-        return None
-    converter_with_context = getattr(attrs, "Converter", None)  # attrs >= 24.1
-    if converter_with_context is not None and isinstance(converter, converter_with_context):
-        inner = converter.converter
-
-        def convert_with_context(value: Any, *context: Any) -> Any:
-            return value if value is _UNSET else inner(value, *context)
-
-        return converter_with_context(
-            convert_with_context, takes_self=converter.takes_self, takes_field=converter.takes_field
-        )
-
-    def convert(value: Any) -> Any:
-        return value if value is _UNSET else converter(value)
-
-    return convert
-
-
-def _unvalidated_copy(cls: type) -> type:
-    """A class with the fields of ``cls`` (defaults, converters, aliases) but no validators or methods.
-
-    Called with the structured values, it fills in the defaults and applies the converters as
-    ``cls.__init__`` would, without stopping at the first invalid value.
-    """
-    fields = {
-        field.name: attrs.field(
-            default=field.default,
-            converter=_passing_unset(field.converter),
-            init=field.init,
-            alias=field.alias,
-            kw_only=field.kw_only,
-        )
-        for field in attrs.fields(cls)
-    }
-    return attrs.make_class(cls.__name__, fields, slots=False)
-
-
-def _field_problem(instance: Any, field: attrs.Attribute) -> tuple[str, str] | None:
-    """The error of one field's value: its validator, then, for a registered name, the registry."""
-    value = getattr(instance, field.name)
-    if field.validator is not None:
-        try:
-            field.validator(instance, field, value)
-        except InvalidValue as exc:
-            return exc.field, exc.message
-        except AttributeError as exc:
-            if not is_unstructured(exc):  # else it reads a field that did not structure: skipped
-                return field.name, str(exc)
-        except Exception as exc:
-            return field.name, str(exc)
-    spec = field.metadata.get(names.METADATA_KEY)
-    if spec is not None and isinstance(value, str):
-        problem = names.name_problem(_current_registry(), spec, value)
-        if problem is not None:
-            return field.name, problem
-    return None
-
-
-def _rule_results(instance: Any, method: str) -> Errors:
-    """What ``instance.<method>()`` (``check`` or ``ignored``) yields; nothing from a rule that reads
-    a field which did not structure (its own error is reported)."""
-    rule: Callable[[], Iterable[tuple[str, str]]] | None = getattr(instance, method, None)
-    results: Errors = []
-    if callable(rule):
-        try:
-            results.extend(rule())
-        except AttributeError as exc:
-            if not is_unstructured(exc):
-                raise
-    return results
-
-
-def _finish(draft: _Draft, stand_in: type) -> Any:
-    """Validate the drafted section and build it; or raise ``_SectionError`` with every error and the
-    partial section.
-
-    The validators run one by one on an instance assembled without ``__init__`` (which would stop at
-    the first failure); a field that fails is then unset. A registered name is looked up, then the
-    class's ``check()`` runs on what is valid. The instance returned is built by ``__init__``.
-    (``attrs.validators.disabled()`` would also do, but it switches validators off in every thread.)
-    """
-    cls = draft.cls
-    aliases = {field.name: field.alias for field in attrs.fields(cls) if field.init}
-    arguments = {aliases[name]: value for name, value in draft.values.items()}
-    arguments.update({aliases[name]: _UNSET for name in draft.failed if name in aliases})
-    instance = object.__new__(cls)
-    for name, value in vars(stand_in(**arguments)).items():
-        if value is not _UNSET:
-            object.__setattr__(instance, name, value)
-    errors = list(draft.errors)
-    for field in attrs.fields(cls):
-        if field.name in draft.failed or field.name in draft.incomplete or not hasattr(instance, field.name):
-            continue
-        problem = _field_problem(instance, field)
-        if problem is not None:
-            errors.append(problem)
-            object.__delattr__(instance, field.name)
-    errors += _rule_results(instance, "check")
-    if errors:
-        raise _SectionError(errors, instance)
-    for step, message in _rule_results(instance, "ignored"):
-        _warn(step, message)
-    return attrs.evolve(instance)  # built by ``__init__`` after all, now that its validators pass
-
-
-def _make_section_hook(cls: type[T]) -> Any:
-    """Structure ``cls`` from a mapping: each field, then the unknown keys, then ``_finish``."""
-    attrs.resolve_types(cls)  # the field types, for structuring each field
-    stand_in = _unvalidated_copy(cls)
-    fields = [field for field in attrs.fields(cls) if field.init]
-    allowed = [field.name for field in fields]
-
-    def structure_section(value: Any, _: type = cls) -> T:
-        mapping = _section_mapping(value, cls)
-        draft = _Draft(cls)
-        _structure_fields(draft, fields, mapping)
-        unknown = sorted(str(key) for key in mapping if key not in allowed)
-        draft.errors += [(key, unknown_key_message(key, allowed)) for key in unknown]
-        return _finish(draft, stand_in)
-
-    return structure_section
-
-
-def _current_registry() -> Registry:
-    registry = _registry.get()
-    if registry is None:
-        from verl_core.plugins import get_registry  # discovery only when a name is looked up
-
-        registry = get_registry()
-    return registry
+    return converter.unstructure(obj)
 
 
 def _load_options_class(registry: Registry, kind: str, name: str) -> type:
@@ -509,18 +101,18 @@ def _make_backend_options_hooks(cls: type, kind: str) -> tuple[Any, Any]:
     warned about: the run ignores it.
     """
     attrs.resolve_types(cls)
-    stand_in = _unvalidated_copy(cls)
+    stand_in = unvalidated_copy(cls)
     fields = [field for field in attrs.fields(cls) if field.init and field.name != "options"]
     keys = [field.name for field in fields]
     default_backend = attrs.fields_dict(cls)["backend"].default  # ``NOTHING``: required
-    unstructure_fields = make_dict_unstructure_fn(cls, _converter)
+    unstructure_fields = make_dict_unstructure_fn(cls, converter)
 
     def structure_with_options(value: Any, _: type = cls) -> Any:
-        value = _section_mapping(value, cls)
-        registry = _current_registry()
+        value = section_mapping(value, cls)
+        registry = names.current_registry()
         installed = registry.names(kind)
-        draft = _Draft(cls)
-        _structure_fields(draft, fields, {key: item for key, item in value.items() if key in keys})
+        draft = Draft(cls)
+        structure_fields(draft, fields, {key: item for key, item in value.items() if key in keys})
         name = draft.values.get("backend", default_backend)
         options_class = None
         if "backend" not in draft.failed and isinstance(name, str):
@@ -528,14 +120,14 @@ def _make_backend_options_hooks(cls: type, kind: str) -> tuple[Any, Any]:
                 options_class = _load_options_class(registry, kind, name)
             except Exception as exc:
                 draft.fail("backend", names.one_line(exc))
-        backend_path = join_path(_path.get(), "backend")
+        backend_path = join_path(current_path.get(), "backend")
         for key in value:
             if key == "options":  # the attribute's name; YAML spells it after the backend
                 draft.errors.append(
                     (key, f"unknown key: the options of backend '{name}' go under its name ({name}: {{...}})")
                 )
             elif key in installed and key != name and options_class is not None:
-                _warn(
+                warn_ignored(
                     str(key),
                     f"ignored: {backend_path} is '{name}'; the options of backend '{key}' apply once "
                     f"{backend_path}={key}",
@@ -546,7 +138,7 @@ def _make_backend_options_hooks(cls: type, kind: str) -> tuple[Any, Any]:
             draft.structure("options", value.get(name), options_class, key=name)
         else:
             draft.failed.add("options")  # no options without a backend; its error is reported
-        return _finish(draft, stand_in)
+        return finish_section(draft, stand_in)
 
     def unstructure_with_options(section: Any) -> dict[str, Any]:
         data = unstructure_fields(section)
@@ -559,35 +151,11 @@ def _make_backend_options_hooks(cls: type, kind: str) -> tuple[Any, Any]:
     return structure_with_options, unstructure_with_options
 
 
-def _register_hooks() -> None:
-    for scalar, hook in (
-        (bool, _structure_bool),
-        (int, _structure_int),
-        (float, _structure_float),
-        (str, _structure_str),
-    ):
-        _converter.register_structure_hook(scalar, hook)
-    # Later registrations win: the generic attrs hook first, so that the specific ones override it.
-    _converter.register_structure_hook_factory(attrs.has, _make_section_hook)
-    _converter.register_structure_hook_func(lambda tp: typing.get_origin(tp) is Literal, _structure_literal)
-    _converter.register_structure_hook_func(_is_optional, _structure_optional)
-    _converter.register_structure_hook_func(
-        lambda tp: tp is list or typing.get_origin(tp) is list, _structure_list
-    )
-    _converter.register_structure_hook_func(
-        lambda tp: tp is tuple or typing.get_origin(tp) is tuple, _structure_tuple
-    )
-    _converter.register_structure_hook_func(
-        lambda tp: tp is dict or typing.get_origin(tp) is dict, _structure_dict
-    )
-    _converter.register_unstructure_hook_func(
-        lambda tp: tp is tuple or typing.get_origin(tp) is tuple, _unstructure_tuple
-    )
-
+def _register_backend_options_hooks() -> None:
     for cls, kind in ((EngineConfig, ENGINE_BACKENDS), (RolloutConfig, ROLLOUT_BACKENDS)):
         structure_hook, unstructure_hook = _make_backend_options_hooks(cls, kind)
-        _converter.register_structure_hook(cls, structure_hook)
-        _converter.register_unstructure_hook(cls, unstructure_hook)
+        converter.register_structure_hook(cls, structure_hook)
+        converter.register_unstructure_hook(cls, unstructure_hook)
 
 
-_register_hooks()
+_register_backend_options_hooks()

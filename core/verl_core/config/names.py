@@ -12,6 +12,7 @@ allows it) is found by parsing the file.
 from __future__ import annotations
 
 import ast
+import contextvars
 import difflib
 import os
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,19 @@ if TYPE_CHECKING:
 METADATA_KEY = "verl_core.registered"
 #: How a user file's function is written, in messages.
 FILE_SPEC_FORM = "path/to/file.py:function_name"
+#: The registry that names are looked up in, for the ``structure`` call in progress (None: the
+#: process-wide one).
+lookup_registry: contextvars.ContextVar[Registry | None] = contextvars.ContextVar("registry", default=None)
+
+
+def current_registry() -> Registry:
+    """The registry of the ``structure`` call in progress, or the process-wide one."""
+    registry = lookup_registry.get()
+    if registry is None:
+        from verl_core.plugins import get_registry  # discovery only when a name is looked up
+
+        registry = get_registry()
+    return registry
 
 
 @attrs.frozen

@@ -198,7 +198,14 @@ class AdvantageEstimator(_Function):
     an estimator must accept and ignore the ones it does not use (end its signature with ``**_``).
     Both outputs are ``[batch, response_len]`` and zero where ``response_mask`` is 0. See
     ``verl_core.algos.advantage`` and docs/algorithms.md.
+
+    ``needs_values``: it reads the critic's ``values`` (a run must train a critic, ``critic.enable``);
+    ``needs_groups``: it compares the responses to one prompt (a run needs ``rollout.n >= 2``). The
+    config's rules read these instead of knowing estimators by name.
     """
+
+    needs_values: bool = False
+    needs_groups: bool = False
 
 
 @attrs.frozen

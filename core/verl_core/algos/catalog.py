@@ -10,16 +10,19 @@ ADVANTAGE_ESTIMATORS: tuple[AdvantageEstimator, ...] = (
         name="gae",
         function=f"{_ADV}:compute_gae_advantage_return",
         description="generalised advantage estimation with the critic's values (gamma, lam), whitened",
+        needs_values=True,
     ),
     AdvantageEstimator(
         name="grpo",
         function=f"{_ADV}:compute_grpo_outcome_advantage",
         description="group-normalised outcome reward; Dr. GRPO with norm_adv_by_std_in_grpo=False",
+        needs_groups=True,
     ),
     AdvantageEstimator(
         name="rloo",
         function=f"{_ADV}:compute_rloo_outcome_advantage",
         description="outcome reward minus the leave-one-out mean of its group",
+        needs_groups=True,
     ),
     AdvantageEstimator(
         name="reinforce_plus_plus",
@@ -50,6 +53,7 @@ ADVANTAGE_ESTIMATORS: tuple[AdvantageEstimator, ...] = (
         name="grpo_passk",
         function=f"{_ADV}:compute_grpo_passk_outcome_advantage",
         description="pass@k: only each group's best sample is credited, by its margin over the second",
+        needs_groups=True,
     ),
 )
 _PL = "verl_core.algos.policy_loss"

@@ -459,17 +459,20 @@ def compute_actor_loss(
     ref_log_prob: torch.Tensor | None = None,
     rollout_log_probs: torch.Tensor | None = None,
     registry: Registry | None = None,
+    policy_loss: PolicyLossFn | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The actor's loss: ``policy loss - entropy_coeff * entropy + kl_loss_coef * KL(pi || pi_ref)``.
 
-    The policy loss is the one registered as ``config.loss_mode`` in ``registry`` (default: the
-    process-wide registry of every installed plugin). The entropy and KL terms are aggregated like the
+    The policy loss is ``policy_loss`` when given (what a caller resolved once, e.g. with
+    ``verl_core.algos.get_policy_loss``), else the one registered as ``config.loss_mode`` in
+    ``registry`` (default: the process-wide registry), looked up at each call. The entropy and KL terms are aggregated like the
     policy loss (``config.loss_agg_mode``, global counts); the KL term, when ``config.use_kl_loss``,
     uses the ``config.kl_loss_type`` estimator of ``verl_core.algos.kl``. Metrics add the micro-batch's
     means ``actor/entropy`` and ``actor/kl_loss``.
     """
-    policy_loss_fn = get_policy_loss(config.loss_mode, registry)
-    loss, metrics = policy_loss_fn(
+    if policy_loss is None:
+        policy_loss = get_policy_loss(config.loss_mode, registry)
+    loss, metrics = policy_loss(
         old_log_prob=old_log_prob,
         log_prob=log_prob,
         advantages=advantages,

@@ -18,18 +18,15 @@ import attrs
 
 from verl_core.config.algorithm import AlgorithmConfig, CriticLossConfig, PolicyLossConfig
 from verl_core.config.engine import EngineConfig
-from verl_core.config.names import registered
+from verl_core.config.names import current_registry, registered
 from verl_core.config.validators import each_rule, in_range, non_empty, non_negative, positive
-from verl_core.hookspecs import REWARD_FUNCTIONS
+from verl_core.errors import VerlCoreError
+from verl_core.hookspecs import ADVANTAGE_ESTIMATORS, REWARD_FUNCTIONS
 
 #: Whether the RL trainer's cross-section rules apply to the config being loaded: ``load_config``
 #: switches them off for SFT (``rl_rules=False``), which reads no estimator, rollout group or PPO
 #: mini-batch.
 RL_RULES: contextvars.ContextVar[bool] = contextvars.ContextVar("rl_rules", default=True)
-
-#: Advantage estimators that compare the responses to one prompt: one response per prompt
-#: leaves nothing to compare (zero advantages, or a division by zero).
-GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "grpo_passk")
 
 
 @attrs.define
@@ -235,7 +232,7 @@ class RunConfig:
             return
         # Independent rules: each runs on what structured, even when another section has errors.
         yield from each_rule(
-            self._mini_batches_divide_the_batch, self._groups_to_compare, self._gae_has_a_critic
+            self._mini_batches_divide_the_batch, self._groups_to_compare, self._values_have_a_critic
         )
 
     def _mini_batches_divide_the_batch(self) -> Iterator[tuple[str, str]]:
@@ -246,20 +243,31 @@ class RunConfig:
                 f"must divide data.train_batch_size ({batch}) into whole mini-batches, got {mini_batch}",
             )
 
+    def _estimator(self) -> Any:
+        """The descriptor of ``algorithm.adv_estimator``, or None when the name does not resolve (its
+        own error is reported at that key)."""
+        try:
+            return current_registry().get(ADVANTAGE_ESTIMATORS, self.algorithm.adv_estimator)
+        except VerlCoreError:
+            return None
+
     def _groups_to_compare(self) -> Iterator[tuple[str, str]]:
+        # One response per prompt leaves a group estimator nothing to compare (zero advantages, or a
+        # division by zero).
         estimator = self.algorithm.adv_estimator
-        if estimator in GROUP_ESTIMATORS and self.rollout.n < 2:
+        if getattr(self._estimator(), "needs_groups", False) and self.rollout.n < 2:
             yield (
                 "rollout.n",
                 f"adv_estimator '{estimator}' compares the responses to each prompt: set rollout.n >= 2",
             )
 
-    def _gae_has_a_critic(self) -> Iterator[tuple[str, str]]:
-        if self.algorithm.adv_estimator == "gae" and not self.critic.enable:
+    def _values_have_a_critic(self) -> Iterator[tuple[str, str]]:
+        estimator = self.algorithm.adv_estimator
+        if getattr(self._estimator(), "needs_values", False) and not self.critic.enable:
             yield (
                 "critic.enable",
-                "adv_estimator 'gae' needs a critic's values: set critic.enable=true and a critic.engine, "
-                "or choose an estimator without a critic (algorithm.adv_estimator=grpo)",
+                f"adv_estimator '{estimator}' needs a critic's values: set critic.enable=true and a "
+                "critic.engine, or choose an estimator without a critic (algorithm.adv_estimator=grpo)",
             )
 
     def ignored(self) -> Iterator[tuple[str, str]]:

@@ -17,6 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_core.algos.policy_loss import compute_actor_loss
+from verl_core.algos.registry import get_policy_loss
 from verl_core.algos.value_loss import compute_value_loss
 from verl_core.config.run import RunConfig
 from verl_core.data.batch import (
@@ -68,6 +69,8 @@ class ActorWorker:
 
         registry = registry or get_registry()
         self.config = config
+        # Resolved once, in this worker's registry (an in-process run may pass its own).
+        self.policy_loss = get_policy_loss(config.actor.policy_loss.loss_mode, registry)
         self.policy = build_engine(config.actor.engine, "lm", registry, config_path="actor.engine")
         # The reference never steps: it exists only when a KL term reads its log-probs.
         self.ref = None
@@ -150,6 +153,7 @@ class ActorWorker:
                 entropy=output.get("entropy"),
                 ref_log_prob=micro_batch[REF_LOG_PROB] if REF_LOG_PROB in keys else None,
                 rollout_log_probs=micro_batch[ROLLOUT_LOG_PROBS] if ROLLOUT_LOG_PROBS in keys else None,
+                policy_loss=self.policy_loss,
             )
 
         steps = []

@@ -11,7 +11,8 @@ import pytest
 from verl_core.config import load_config
 from verl_core.engine import build_engine
 from verl_core.testing import save_tiny_models
-from verl_core.trainer.rl import with_run_length
+from verl_core.trainer.loop import with_run_length
+from verl_core.trainer.rl import updates_per_step
 
 EXAMPLES = sorted((Path(__file__).parents[1] / "examples").glob("*.yaml"))
 
@@ -28,13 +29,14 @@ def test_there_are_examples() -> None:
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda path: path.name)
 def test_example_builds_and_initialises_its_engines(example: Path, tiny) -> None:
     overrides = [f"actor.engine.model.path={tiny.lm}", "actor.engine.device=cpu"]
-    config = with_run_length(load_config([example], overrides), num_prompts=64)  # as the trainer fills it
+    loaded = load_config([example], overrides)
+    config, _ = with_run_length(loaded, 64, updates_per_step(loaded))  # as the trainer fills it
     engines = {"actor.engine": ("lm", config.actor.engine)}
     if config.uses_kl:
         engines["ref.engine"] = ("lm", config.ref_engine)
     if config.critic.enable:
         critic = load_config([example], [*overrides, f"critic.engine.model.path={tiny.lm}"])
-        critic = with_run_length(critic, num_prompts=64).critic.engine
+        critic = with_run_length(critic, 64, updates_per_step(critic))[0].critic.engine
         engines["critic.engine"] = ("value", critic)
     for path, (role, engine_config) in engines.items():
         engine = build_engine(engine_config, role, config_path=path)

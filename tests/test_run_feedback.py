@@ -132,3 +132,36 @@ def test_sft_with_a_decaying_rate_over_total_training_steps(demo, tmp_path, caps
     )
     assert main(["sft", *overrides]) == 0, capsys.readouterr().err
     assert "done: 3 step(s)" in capsys.readouterr().err
+
+
+def test_reward_failures_of_every_generation_round_are_counted(demo, tmp_path, monkeypatch) -> None:
+    """Under dynamic sampling (DAPO's filter_groups) a step may generate several rounds: its
+    ``reward/errors`` counted only the last one's."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(
+        "calls = 0\n"
+        "def score(prompt, response, extra):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    if calls <= 16:  # the whole first round (4 prompts x 4 responses): all 0, every group dropped\n"
+        "        raise ValueError('not yet')\n"
+        "    return len(response) % 3 / 2\n"
+    )
+    overrides = run_overrides(
+        demo,
+        tmp_path,
+        **{
+            "reward.function": f"{reward}:score",
+            "reward.on_error": "zero",
+            "algorithm.filter_groups.enable": "true",
+            "trainer.total_training_steps": 1,
+            "trainer.test_freq": 0,
+        },
+    )
+    trainer = RLTrainer.from_config(load_config([], overrides), show_progress=False)
+    try:
+        metrics = trainer.train_step(1)
+    finally:
+        trainer.shutdown()
+    assert metrics["training/generation_rounds"] >= 2
+    assert metrics["reward/errors"] == 16.0

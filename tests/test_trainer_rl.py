@@ -145,9 +145,13 @@ def test_dynamic_sampling_drops_groups_without_signal_and_fills_the_batch(demo, 
             "rollout.temperature": 1.5,
         },
     )
-    batch, rows, _, rounds = trainer.collect(1, Timer())
-    assert len(rows) == 4 and batch.batch_size[0] == 4 * trainer.n
-    assert all(row.extra["ground_truth"][0] not in "01234" for row in rows)
+    collected = trainer.collect(1, Timer())
+    batch, rounds = collected.batch, collected.rounds
+    assert batch.batch_size[0] == 4 * trainer.n
+    prompt_ids = batch["input_ids"][:, : -batch["responses"].shape[1]]
+    prompts = trainer.tokenizer.batch_decode(prompt_ids, skip_special_tokens=True)
+    # "rev 3851=": the ground truth (the digits reversed) starts with the prompt's last digit
+    assert all(prompt.strip().rstrip("=")[-1] not in "01234" for prompt in prompts), prompts
     assert rounds >= 2  # about half the prompts are dropped, so one round cannot fill the batch
     scores = batch["scores"].view(4, trainer.n)
     assert all(bool((group != group[0]).any()) for group in scores)

@@ -16,6 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from verl_core.config.loading import fill_total_steps
+from verl_core.config.run import RunConfig
+from verl_core.data.sampler import EpochSampler
 from verl_core.engine.checkpoint import read_checkpoint_info
 from verl_core.errors import NothingToTrain
 from verl_core.trainer import checkpoints, console
@@ -109,6 +112,27 @@ class Trainer(abc.ABC):
             records, self.summary_keys, time.perf_counter() - started, self.global_step - first_step, files
         )
         return metrics
+
+
+def epoch_sampler(config: RunConfig, num_rows: int) -> EpochSampler:
+    """The order in which a run draws its ``num_rows`` training rows (``data`` section)."""
+    data = config.data
+    return EpochSampler(num_rows, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+
+
+def run_length(config: RunConfig, num_rows: int) -> int:
+    """Steps in the run: ``trainer.total_training_steps``, or ``trainer.total_epochs`` whole epochs of
+    ``num_rows`` rows in batches of ``data.train_batch_size``."""
+    epochs = epoch_sampler(config, num_rows).total_steps(config.trainer.total_epochs)
+    return config.trainer.total_training_steps or epochs
+
+
+def with_run_length(config: RunConfig, num_rows: int, updates_per_step: int = 1) -> tuple[RunConfig, int]:
+    """``(config, steps)``: the run's length in steps (``run_length``), and ``config`` with a decaying
+    learning rate's ``optim.total_steps: 0`` ("the run's length") set to its optimiser steps, that many
+    steps of ``updates_per_step`` each (``verl_core.config.loading.fill_total_steps``)."""
+    steps = run_length(config, num_rows)
+    return fill_total_steps(config, steps, updates_per_step), steps
 
 
 def check_not_finished(trainer: Any, total_steps: int) -> None:

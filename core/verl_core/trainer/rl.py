@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from tensordict import TensorDict
 
 from verl_core.algos.kl import apply_kl_penalty, build_kl_controller
 from verl_core.algos.registry import get_advantage_estimator
-from verl_core.config.loading import fill_total_steps
 from verl_core.config.run import RunConfig
 from verl_core.data.batch import (
     ADVANTAGES,
@@ -36,12 +36,12 @@ from verl_core.data.batch import (
     concat_batches,
 )
 from verl_core.data.dataset import PromptDataset, PromptRow, load_prompt_datasets
-from verl_core.data.sampler import EpochSampler, sequential_batches
+from verl_core.data.sampler import sequential_batches
 from verl_core.errors import ConfigError, TrainerError
 from verl_core.reward import load_reward_function, score_responses
 from verl_core.rollout.base import ROLLOUT_LOG_PROBS, SamplingParams
 from verl_core.trainer import checkpoints, console
-from verl_core.trainer.loop import Trainer, check_not_finished
+from verl_core.trainer.loop import Trainer, check_not_finished, epoch_sampler, run_length, with_run_length
 from verl_core.trainer.metrics import (
     REWARD_KEY,
     STEP_TIME_KEY,
@@ -61,6 +61,19 @@ UID = "uid"
 SCORES = "scores"
 #: ``trainer_state.json``'s ``trainer``: what tells an RL run's checkpoint from an SFT run's.
 TRAINER_KIND = "rl"
+#: Responses whose reward function failed (scored 0 under ``reward.on_error: zero``), per step.
+REWARD_ERRORS_KEY = "reward/errors"
+
+
+@attrs.frozen
+class Collected:
+    """A step's scored responses: the batch (``SCORES`` and ``UID`` set, groups numbered from 0), the
+    epoch of its first prompt, the generation rounds it took, and its reward metrics."""
+
+    batch: TensorDict
+    epoch: int
+    rounds: int
+    reward_metrics: dict[str, float]
 
 
 class RLTrainer(Trainer):
@@ -92,10 +105,8 @@ class RLTrainer(Trainer):
         self.run_dir = Path(config.trainer.run_dir)
         self.show_progress = show_progress
         self.n = config.rollout.n
-        self.sampler = EpochSampler(
-            len(train_data), config.data.train_batch_size, shuffle=config.data.shuffle, seed=config.data.seed
-        )
-        self.total_steps = total_steps(config, len(train_data))
+        self.sampler = epoch_sampler(config, len(train_data))
+        self.total_steps = run_length(config, len(train_data))
         self.num_mini_batches = config.data.train_batch_size // config.actor.ppo_mini_batch_size
         _check_divides(config, actor.dp_size)
         self.estimator = get_advantage_estimator(config.algorithm.adv_estimator, registry)
@@ -104,8 +115,7 @@ class RLTrainer(Trainer):
         self.sampling = _sampling(config.rollout.temperature, config, tokenizer)
         self.global_step = 0
         self._reward_failure_shown = False
-        #: The last collected batch's reward metrics, and the last step's whole batch.
-        self.reward_metrics: dict[str, float] = {}
+        #: The last step's whole batch (responses, scores, advantages), for inspection.
         self.last_batch: TensorDict | None = None
 
     @classmethod
@@ -120,8 +130,8 @@ class RLTrainer(Trainer):
         with console.phase("loading the tokenizer and the datasets"):
             tokenizer = load_tokenizer(config.actor.engine.model)
             train_data, val_data = load_prompt_datasets(config.data, config.rollout, tokenizer)
-        config = with_run_length(config, len(train_data))
-        check_not_finished(config.trainer, total_steps(config, len(train_data)))
+        config, steps = with_run_length(config, len(train_data), updates_per_step(config))
+        check_not_finished(config.trainer, steps)
         with console.phase(
             f"starting the actor{' and the critic' if config.critic.enable else ''} "
             f"({workers_description(config)}: engines and rollout)"
@@ -160,8 +170,9 @@ class RLTrainer(Trainer):
     def train_step(self, step: int) -> dict[str, float]:
         timer = Timer()
         started = time.perf_counter()
-        batch, rows, epoch, rounds = self.collect(step, timer)
-        metrics = {"training/generation_rounds": float(rounds), **self.reward_metrics}
+        collected = self.collect(step, timer)
+        batch = collected.batch
+        metrics = {"training/generation_rounds": float(collected.rounds), **collected.reward_metrics}
         batch[TOKEN_LEVEL_REWARDS] = outcome_rewards(batch[SCORES], batch[RESPONSE_MASK])
         with timer.phase("old_log_probs"):
             if self.recompute_old_log_probs:
@@ -207,25 +218,25 @@ class RLTrainer(Trainer):
         response_tokens = int(batch[RESPONSE_MASK].sum())
         metrics |= timer.metrics()
         metrics |= {
-            "training/epoch": float(epoch),
+            "training/epoch": float(collected.epoch),
             "response_length/mean": response_tokens / batch.batch_size[0],
             STEP_TIME_KEY: seconds,
             **perf_metrics(response_tokens, seconds),
         }
         return metrics
 
-    def collect(self, step: int, timer: Timer) -> tuple[TensorDict, list[PromptRow], int, int]:
+    def collect(self, step: int, timer: Timer) -> Collected:
         """The step's scored responses: ``rollout.n`` per prompt of the next ``data.train_batch_size``
         prompts. With ``algorithm.filter_groups`` (DAPO's dynamic sampling), groups whose responses all
-        scored the same are dropped and more prompts are drawn until the batch is full.
-
-        Returns the batch (``SCORES`` and ``UID`` set, groups renumbered from 0), its prompts, the
-        epoch of its first prompt, and the generation rounds it took."""
+        scored the same are dropped and more prompts are drawn until the batch is full; the reward
+        metrics then cover every round's responses (``reward/errors`` counts them all), the scores'
+        statistics the kept ones."""
         wanted = self.config.data.train_batch_size
         filtering = self.config.algorithm.filter_groups
         kept: list[TensorDict] = []
         kept_rows: list[PromptRow] = []
         rounds, epoch = 0, None
+        round_metrics: list[dict[str, float]] = []
         while len(kept_rows) < wanted:
             if rounds == filtering.max_num_gen_batches:
                 raise TrainerError(
@@ -240,7 +251,8 @@ class RLTrainer(Trainer):
             with timer.phase("generate"):
                 batch = self.generate(rows, self.sampling, seed=seed)
             with timer.phase("reward"):
-                batch[SCORES], round_metrics = self.score(batch, rows)
+                batch[SCORES], metrics = self.score(batch, rows)
+            round_metrics.append(metrics)
             rounds += 1
             groups = range(len(rows))
             if filtering.enable:
@@ -253,14 +265,19 @@ class RLTrainer(Trainer):
                 kept_rows.append(rows[group])
         merged = concat_batches(kept, self.sampling.pad_token_id)
         merged[UID] = torch.arange(len(kept_rows)).repeat_interleave(self.n)
-        # The reward function's own metrics are the last round's; the scores' are the batch's.
+        # Every round scored as many responses: the mean over the rounds that logged a metric is its
+        # mean over their responses; failures add up.
+        reward_metrics = {}
+        for key in dict.fromkeys(key for metrics in round_metrics for key in metrics):
+            values = [metrics[key] for metrics in round_metrics if key in metrics]
+            reward_metrics[key] = sum(values) if key == REWARD_ERRORS_KEY else sum(values) / len(values)
         scores = merged[SCORES]
-        self.reward_metrics = round_metrics | {
+        reward_metrics |= {
             REWARD_KEY: float(scores.mean()),
             "reward/max": float(scores.max()),
             "reward/min": float(scores.min()),
         }
-        return merged, kept_rows, epoch, rounds
+        return Collected(merged, epoch, rounds, reward_metrics)
 
     @property
     def recompute_old_log_probs(self) -> bool:
@@ -311,7 +328,7 @@ class RLTrainer(Trainer):
             REWARD_KEY: float(scores.mean()),
             "reward/max": float(scores.max()),
             "reward/min": float(scores.min()),
-            "reward/errors": float(result.num_errors),
+            REWARD_ERRORS_KEY: float(result.num_errors),
         }
         return scores, metrics
 
@@ -399,18 +416,6 @@ def _check_divides(config: RunConfig, dp_size: int) -> None:
 def updates_per_step(config: RunConfig) -> int:
     """Optimiser steps per training step: every mini-batch of every epoch (the critic's too)."""
     return config.data.train_batch_size // config.actor.ppo_mini_batch_size * config.actor.ppo_epochs
-
-
-def total_steps(config: RunConfig, num_prompts: int) -> int:
-    """Steps in the run: ``trainer.total_training_steps``, or ``total_epochs`` epochs of ``num_prompts``."""
-    sampler = EpochSampler(num_prompts, config.data.train_batch_size, shuffle=False)
-    return config.trainer.total_training_steps or sampler.total_steps(config.trainer.total_epochs)
-
-
-def with_run_length(config: RunConfig, num_prompts: int) -> RunConfig:
-    """``config`` with a decaying learning rate's ``optim.total_steps: 0`` set to the run's optimiser
-    steps: ``total_steps`` times ``updates_per_step``."""
-    return fill_total_steps(config, total_steps(config, num_prompts), updates_per_step(config))
 
 
 def _sampling(temperature: float, config: RunConfig, tokenizer: Any) -> SamplingParams:

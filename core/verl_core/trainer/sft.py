@@ -28,14 +28,13 @@ from typing import Any
 
 from tensordict import TensorDict
 
-from verl_core.config.loading import fill_total_steps
 from verl_core.config.run import DataConfig, RolloutConfig, RunConfig
 from verl_core.data.batch import RESPONSE_MASK, join_prompts_and_responses, left_pad
 from verl_core.data.dataset import SFTDataset, SFTRow
-from verl_core.data.sampler import EpochSampler, sequential_batches
+from verl_core.data.sampler import sequential_batches
 from verl_core.errors import ConfigError
 from verl_core.trainer import checkpoints, console
-from verl_core.trainer.loop import Trainer, check_not_finished
+from verl_core.trainer.loop import Trainer, check_not_finished, epoch_sampler, run_length, with_run_length
 from verl_core.trainer.metrics import STEP_TIME_KEY, Timer, perf_metrics
 from verl_core.trainer.preflight import preflight
 from verl_core.workers.sft import SFT, SFTWorker
@@ -71,8 +70,8 @@ class SFTTrainer(Trainer):
         self.train_data, self.val_data = train_data, val_data
         self.run_dir = Path(config.trainer.run_dir)
         self.show_progress = show_progress
-        self.sampler = _sampler(config, len(train_data))
-        self.total_steps = _run_length(config, self.sampler)
+        self.sampler = epoch_sampler(config, len(train_data))
+        self.total_steps = run_length(config, len(train_data))
         if config.data.train_batch_size % actor.dp_size:
             raise ConfigError(
                 [
@@ -97,8 +96,7 @@ class SFTTrainer(Trainer):
         with console.phase("loading the tokenizer and the datasets"):
             tokenizer = load_tokenizer(config.actor.engine.model)
             train_data, val_data = load_sft_datasets(config.data, config.rollout, tokenizer)
-        steps = _run_length(config, _sampler(config, len(train_data)))
-        config = fill_total_steps(config, steps)  # one optimiser step per trainer step
+        config, steps = with_run_length(config, len(train_data))  # one optimiser step per trainer step
         check_not_finished(config.trainer, steps)
         with console.phase(f"starting the SFT engines ({workers_description(config)})"):
             actor = SFT(
@@ -225,16 +223,3 @@ def sft_batch(rows: Sequence[SFTRow], pad_token_id: int, multiple_of: int = 1) -
     batch = join_prompts_and_responses(prompts, prompt_mask, reversed_responses.flip(-1), response_mask)
     batch[RESPONSE_MASK][len(rows) :] = 0
     return batch
-
-
-# -- helpers ------------------------------------------------------------------------------------------
-
-
-def _sampler(config: RunConfig, num_rows: int) -> EpochSampler:
-    data = config.data
-    return EpochSampler(num_rows, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
-
-
-def _run_length(config: RunConfig, sampler: EpochSampler) -> int:
-    """Steps in the run: ``trainer.total_training_steps``, or ``trainer.total_epochs`` whole epochs."""
-    return config.trainer.total_training_steps or sampler.total_steps(config.trainer.total_epochs)

@@ -18,12 +18,12 @@ from verl_core.errors import VerlCoreError
 from verl_core.trainer.metrics import (
     ACTOR_LOSS_KEY,
     CRITIC_LOSS_KEY,
-    METRICS_FILE,
     REWARD_KEY,
     VAL_SCORE_KEY,
     MetricsLogger,
 )
 from verl_core.trainer.plot import DPI, PANEL_SIZE, PANELS, PLOT_FILE, draw_curves, plot_run
+from verl_core.trainer.run_files import METRICS_FILE
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 EVERY_PANEL = ("training reward", "validation score", "actor loss", "critic loss")
@@ -42,7 +42,7 @@ def panels_px(columns: int, rows: int) -> tuple[int, int]:
 
 
 def write_run(run_dir: Path, steps: int = 6, critic: bool = True) -> None:
-    with MetricsLogger(run_dir, [], total_steps=steps) as logger:
+    with MetricsLogger(run_dir, [], total_steps=steps, show_progress=False) as logger:
         for step in range(1, steps + 1):
             metrics = {REWARD_KEY: step / steps, ACTOR_LOSS_KEY: 1.0 / step, "perf/step_s": 0.5}
             if critic:

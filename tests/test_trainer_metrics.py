@@ -15,29 +15,33 @@ from pathlib import Path
 import pytest
 import torch
 
+from verl_core.config.run import LOGGERS
 from verl_core.errors import ConfigError, VerlCoreError
-from verl_core.trainer import metrics
+from verl_core.trainer import timing
 from verl_core.trainer.metrics import (
     ACTOR_LOSS_KEY,
     CRITIC_LOSS_KEY,
-    LOGGERS,
-    METRICS_FILE,
-    PEAK_MEMORY_KEY,
     REWARD_KEY,
-    STEP_TIME_KEY,
-    TENSORBOARD_DIR,
-    TOKENS_PER_S_KEY,
     VAL_SCORE_KEY,
     MetricsLogger,
-    Timer,
     check_loggers,
+)
+from verl_core.trainer.run_files import (
+    METRICS_FILE,
+    TENSORBOARD_DIR,
+    read_records,
+    validation_samples_path,
+    write_jsonl,
+)
+from verl_core.trainer.timing import (
+    PEAK_MEMORY_KEY,
+    STEP_TIME_KEY,
+    TOKENS_PER_S_KEY,
+    Timer,
     peak_memory,
     perf_metrics,
     phase,
-    read_records,
     tokens_per_s,
-    validation_samples_path,
-    write_jsonl,
 )
 
 
@@ -58,7 +62,7 @@ def log_steps(run_dir: Path, steps, **kwargs) -> None:
 def clock(monkeypatch):
     """``time.perf_counter`` as seen by the metrics module, advanced by hand."""
     now = [100.0]
-    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
     return now
 
 
@@ -105,8 +109,8 @@ def test_peak_memory_without_cuda_is_the_peak_rss_in_mib():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_peak_memory_with_cuda_is_max_memory_allocated():
-    block = torch.empty(64 * metrics.MIB, dtype=torch.uint8, device="cuda")
-    assert peak_memory() == torch.cuda.max_memory_allocated() / metrics.MIB >= 64
+    block = torch.empty(64 * timing.MIB, dtype=torch.uint8, device="cuda")
+    assert peak_memory() == torch.cuda.max_memory_allocated() / timing.MIB >= 64
     del block
 
 

@@ -3,74 +3,47 @@
 ``load_config(paths, overrides)`` builds a ``RunConfig``, every component name resolved and every
 rule checked before anything runs; ``structure`` / ``unstructure`` convert any config class from
 and to plain data; ``dump_yaml`` writes what ``load_config`` reads back.
-docs/config.md documents every section and key. Importing this package does not import torch.
+docs/config.md documents every section and key. Imports are lazy: importing this package (or one of
+its light modules, ``verl_core.config.run``) imports neither torch nor cattrs nor yaml.
 """
 
-from verl_core.config.algorithm import (
-    AlgorithmConfig,
-    CriticLossConfig,
-    FilterGroupsConfig,
-    KLControlConfig,
-    PolicyLossConfig,
-)
-from verl_core.config.convert import structure, structure_with_warnings, unstructure
-from verl_core.config.engine import EngineConfig, MicroBatchConfig, ModelConfig, OptimConfig
-from verl_core.config.loading import dump_yaml, load_config, parse_override
-from verl_core.config.run import (
-    ActorConfig,
-    CriticConfig,
-    DataConfig,
-    RefConfig,
-    RewardConfig,
-    RolloutConfig,
-    RunConfig,
-    TrainerConfig,
-)
-from verl_core.config.validators import (
-    InvalidValue,
-    at_least,
-    each,
-    greater_than,
-    in_range,
-    non_empty,
-    non_negative,
-    one_of,
-    positive,
-    unit_interval,
-)
+from verl_core.lazy import lazy_exports
 
-__all__ = [
-    "ActorConfig",
-    "AlgorithmConfig",
-    "CriticConfig",
-    "CriticLossConfig",
-    "DataConfig",
-    "EngineConfig",
-    "FilterGroupsConfig",
-    "InvalidValue",
-    "KLControlConfig",
-    "MicroBatchConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "PolicyLossConfig",
-    "RefConfig",
-    "RewardConfig",
-    "RolloutConfig",
-    "RunConfig",
-    "TrainerConfig",
-    "at_least",
-    "dump_yaml",
-    "each",
-    "greater_than",
-    "in_range",
-    "load_config",
-    "non_empty",
-    "non_negative",
-    "one_of",
-    "parse_override",
-    "positive",
-    "structure",
-    "structure_with_warnings",
-    "unit_interval",
-    "unstructure",
-]
+_EXPORTS = {
+    "AlgorithmConfig": "verl_core.config.algorithm",
+    "CriticLossConfig": "verl_core.config.algorithm",
+    "FilterGroupsConfig": "verl_core.config.algorithm",
+    "KLControlConfig": "verl_core.config.algorithm",
+    "PolicyLossConfig": "verl_core.config.algorithm",
+    "EngineConfig": "verl_core.config.engine",
+    "MicroBatchConfig": "verl_core.config.engine",
+    "ModelConfig": "verl_core.config.engine",
+    "OptimConfig": "verl_core.config.engine",
+    "ActorConfig": "verl_core.config.run",
+    "CriticConfig": "verl_core.config.run",
+    "DataConfig": "verl_core.config.run",
+    "RefConfig": "verl_core.config.run",
+    "RewardConfig": "verl_core.config.run",
+    "RolloutConfig": "verl_core.config.run",
+    "RunConfig": "verl_core.config.run",
+    "TrainerConfig": "verl_core.config.run",
+    "InvalidValue": "verl_core.config.validators",
+    "at_least": "verl_core.config.validators",
+    "each": "verl_core.config.validators",
+    "greater_than": "verl_core.config.validators",
+    "in_range": "verl_core.config.validators",
+    "non_empty": "verl_core.config.validators",
+    "non_negative": "verl_core.config.validators",
+    "one_of": "verl_core.config.validators",
+    "positive": "verl_core.config.validators",
+    "unit_interval": "verl_core.config.validators",
+    "structure": "verl_core.config.convert",
+    "structure_with_warnings": "verl_core.config.convert",
+    "unstructure": "verl_core.config.convert",
+    "dump_yaml": "verl_core.config.loading",
+    "load_config": "verl_core.config.loading",
+    "parse_override": "verl_core.config.loading",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

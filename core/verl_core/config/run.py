@@ -11,6 +11,7 @@ overrides, error reporting and unstructuring need no other change; list the key 
 from __future__ import annotations
 
 import contextvars
+import typing
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -121,6 +122,11 @@ class DataConfig:
     seed: int = 0
 
 
+#: The metric sinks ``trainer.logger`` may name (``metrics.jsonl`` is written whatever it names).
+Logger = Literal["console", "tensorboard"]
+LOGGERS: tuple[str, ...] = typing.get_args(Logger)
+
+
 @attrs.define
 class TrainerConfig:
     """The ``trainer`` section: run length, evaluation, checkpoints, logging."""
@@ -140,7 +146,7 @@ class TrainerConfig:
     max_checkpoints: int = attrs.field(default=0, validator=non_negative)
     seed: int = 0
     #: Metric sinks besides ``run_dir/metrics.jsonl`` (always written): ``console``, ``tensorboard``.
-    logger: list[Literal["console", "tensorboard"]] = attrs.field(factory=lambda: ["console"])
+    logger: list[Logger] = attrs.field(factory=lambda: ["console"])
     #: The run folder: ``metrics.jsonl``, TensorBoard events, validation samples, ``curves.png``, the final export.
     run_dir: str = attrs.field(default="runs/latest", validator=non_empty)
     #: Where the roles run: ``ray`` (a worker group of Ray actors) or ``in_process`` (one rank, no Ray).

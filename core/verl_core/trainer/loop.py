@@ -22,7 +22,8 @@ from verl_core.data.sampler import EpochSampler
 from verl_core.engine.checkpoint import read_checkpoint_info
 from verl_core.errors import NothingToTrain
 from verl_core.trainer import checkpoints, console
-from verl_core.trainer.metrics import METRICS_FILE, MetricsLogger, read_records
+from verl_core.trainer.metrics import MetricsLogger
+from verl_core.trainer.run_files import METRICS_FILE, read_records
 
 #: Where the final Hugging Face export goes, inside the run folder.
 HF_EXPORT_DIR = "hf_model"

@@ -1,9 +1,7 @@
-"""A training run's feedback: how long each phase of a step took, throughput and peak memory, and the
-sinks that show and keep every step's metrics.
+"""The sinks that show and keep every step's metrics, and the metric keys they agree on.
 
-The trainer times the phases of a step with ``Timer.phase`` (``timing/generate``, ...), adds
-``perf_metrics`` (tokens per second, peak memory) and hands the step's metrics to
-``MetricsLogger.log``, which
+The trainer hands each step's metrics (its own, ``verl_core.trainer.timing``'s phases and throughput)
+to ``MetricsLogger.log``, which
 
 - appends one JSON object to ``RUN_DIR/metrics.jsonl``, always: ``verl-core plot`` redraws the curves
   from it, and a resumed run continues it;
@@ -14,35 +12,26 @@ The trainer times the phases of a step with ``Timer.phase`` (``timing/generate``
   run (and at least every ``PROGRESS_EVERY_S`` seconds), so that a run under a pipe is never silent.
 
 The trainer, the console line, the progress bar and the plot agree on the metric keys through the
-``*_KEY`` constants below; docs/training.md ("Metrics, logs and plots") lists every key and the run folder's layout.
+``*_KEY`` constants here and in ``timing``; docs/training.md ("Metrics, logs and plots") lists every key and the run folder's layout.
 Importing this module imports neither torch nor tqdm: each sink loads what it needs when it is made.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
-import attrs
-
+from verl_core.config.run import LOGGERS
 from verl_core.errors import ConfigError, VerlCoreError
-
-#: The run folder's file of metrics: one JSON object per line, ``{"step": N, "<key>": value, ...}``.
-METRICS_FILE = "metrics.jsonl"
-#: The run folder's folder of TensorBoard event files.
-TENSORBOARD_DIR = "tensorboard"
-#: The run folder's folder of a few generations per validation, ``step_<N>.jsonl``.
-VALIDATION_DIR = "validation"
-#: The metric sinks ``trainer.logger`` may name; ``metrics.jsonl`` is written whatever it names.
-LOGGERS: tuple[str, ...] = ("console", "tensorboard")
+from verl_core.trainer.run_files import METRICS_FILE, TENSORBOARD_DIR, read_records, write_jsonl
+from verl_core.trainer.timing import STEP_TIME_KEY, TOKENS_PER_S_KEY
 
 #: The mean score of the step's responses as the reward function gave them (before any KL penalty).
 REWARD_KEY = "reward/mean"
@@ -51,14 +40,6 @@ VAL_SCORE_KEY = "val/score/mean"
 #: The actor's policy loss and the critic's value loss, averaged over the step's updates.
 ACTOR_LOSS_KEY = "actor/loss"
 CRITIC_LOSS_KEY = "critic/loss"
-#: A phase's wall seconds are logged as ``timing/<phase>``.
-TIMING_PREFIX = "timing/"
-#: The wall seconds of the whole step.
-STEP_TIME_KEY = "perf/step_s"
-#: Throughput: the step's generated (response) tokens, padding excluded, per wall second of the step.
-TOKENS_PER_S_KEY = "perf/tokens_per_s"
-#: This process's peak memory so far, in MiB (``peak_memory``).
-PEAK_MEMORY_KEY = "perf/peak_memory_mib"
 #: Keys the console line shows first, in this order, where the step has them; the others follow sorted.
 CONSOLE_FIRST: tuple[str, ...] = (
     REWARD_KEY,
@@ -73,93 +54,8 @@ CONSOLE_FIRST: tuple[str, ...] = (
     TOKENS_PER_S_KEY,
     STEP_TIME_KEY,
 )
-#: Bytes in a MiB.
-MIB = 1024 * 1024
 #: Without a terminal and without console lines, a progress line at least this often (seconds).
 PROGRESS_EVERY_S = 30.0
-
-
-# -- timings, throughput, memory ------------------------------------------------------------------
-
-
-def _cuda() -> Any:
-    """``torch.cuda`` when this process uses CUDA (it initialised it), else ``None``; never imports torch."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        return None
-    return torch.cuda
-
-
-@contextlib.contextmanager
-def phase(name: str, timings: dict[str, float]) -> Iterator[None]:
-    """Add the wall seconds of the ``with`` block to ``timings["timing/<name>"]``.
-
-    Repeated blocks of one name add up (one update per PPO epoch), and a block that raises still
-    counts. When this process uses CUDA, the GPU's queued work is waited for at both ends, so that a
-    phase is charged for the kernels it launched, not for launching them.
-    """
-    cuda = _cuda()
-    if cuda is not None:
-        cuda.synchronize()
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        if cuda is not None:
-            cuda.synchronize()
-        key = TIMING_PREFIX + name
-        timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
-
-
-@attrs.define
-class Timer:
-    """The wall seconds of each phase of one step, keyed ``timing/<phase>``.
-
-    ``with timer.phase("generate"): ...`` times a phase; ``timer.metrics()`` is what to log;
-    ``reset()`` starts the next step.
-    """
-
-    timings: dict[str, float] = attrs.field(factory=dict)
-
-    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
-        """Time a ``with`` block as the phase ``name`` (see the module function ``phase``)."""
-        return phase(name, self.timings)
-
-    def metrics(self) -> dict[str, float]:
-        """The step's timings so far: ``{"timing/generate": seconds, ...}``."""
-        return dict(self.timings)
-
-    def reset(self) -> None:
-        self.timings.clear()
-
-
-def peak_memory() -> float:
-    """This process's peak memory so far, in MiB.
-
-    With CUDA in use (initialised in this process): ``torch.cuda.max_memory_allocated()`` of the
-    current GPU, since the start or the last ``torch.cuda.reset_peak_memory_stats()``. Otherwise the
-    peak resident set size from ``resource.getrusage`` (for the whole run: it cannot be reset).
-    Workers in other processes (Ray actors) are not counted. NaN where neither can be read.
-    """
-    cuda = _cuda()
-    if cuda is not None:
-        return cuda.max_memory_allocated() / MIB
-    try:
-        import resource
-    except ImportError:  # Windows
-        return math.nan
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / MIB if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
-
-
-def tokens_per_s(tokens: int, seconds: float) -> float:
-    """Throughput: ``tokens / seconds``; 0.0 when no time was measured."""
-    return tokens / seconds if seconds > 0 else 0.0
-
-
-def perf_metrics(tokens: int, seconds: float) -> dict[str, float]:
-    """A step's ``perf/tokens_per_s`` (``tokens`` in ``seconds``) and ``perf/peak_memory_mib``."""
-    return {TOKENS_PER_S_KEY: tokens_per_s(tokens, seconds), PEAK_MEMORY_KEY: peak_memory()}
 
 
 # -- the metric sinks -----------------------------------------------------------------------------
@@ -378,69 +274,3 @@ def console_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> s
     return " ".join(
         [f"step {step}/{total_steps}", *(f"{key}={_format(metrics[key])}" for key in keys), *tail]
     )
-
-
-# -- JSONL files ----------------------------------------------------------------------------------
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    """The objects of a metrics JSONL file, in order (none if it does not exist).
-
-    A last line without its newline that does not parse is a write cut short by a crash, and is
-    left out; any other line that is not a JSON object with an integer ``step`` is a ``VerlCoreError``
-    naming the file and the line.
-    """
-    if not path.exists():
-        return []
-    text = path.read_text(encoding="utf-8")
-    lines = text.split("\n")
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            if number == len(lines):  # the last line, without its newline: a crash mid-write
-                continue
-            raise VerlCoreError(f"{path}:{number}: not JSON ({error}); repair or delete that line") from None
-        if not isinstance(record, dict) or type(record.get("step")) is not int:
-            raise VerlCoreError(
-                f'{path}:{number}: not a metrics line (a JSON object with an integer "step"); '
-                "repair or delete that line"
-            )
-        records.append(record)
-    return records
-
-
-def _jsonable(value: Any) -> Any:
-    """``value`` with every NaN or infinity, however deep in lists and dicts, as ``None``."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _jsonable(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(item) for item in value]
-    return value
-
-
-def write_jsonl(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any]]) -> Path:
-    """Write ``records`` to ``path``, one JSON object per line, and return the path.
-
-    Parent folders are made; the file is replaced atomically (a crash leaves the old file or the new
-    one, never half of one). Text stays readable (no ``\\u`` escapes); NaN and infinities become
-    ``null``. The trainer writes validation generations with it to ``validation_samples_path``.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    with partial.open("w", encoding="utf-8") as file:
-        for record in records:
-            file.write(json.dumps(_jsonable(dict(record)), ensure_ascii=False, allow_nan=False) + "\n")
-    os.replace(partial, path)
-    return path
-
-
-def validation_samples_path(run_dir: str | os.PathLike[str], step: int) -> Path:
-    """Where the generations of the validation at ``step`` go: ``run_dir/validation/step_<step>.jsonl``."""
-    return Path(run_dir) / VALIDATION_DIR / f"step_{step}.jsonl"

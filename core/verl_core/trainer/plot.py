@@ -21,14 +21,8 @@ from typing import Any
 import attrs
 
 from verl_core.errors import VerlCoreError
-from verl_core.trainer.metrics import (
-    ACTOR_LOSS_KEY,
-    CRITIC_LOSS_KEY,
-    METRICS_FILE,
-    REWARD_KEY,
-    VAL_SCORE_KEY,
-    read_records,
-)
+from verl_core.trainer.metrics import ACTOR_LOSS_KEY, CRITIC_LOSS_KEY, REWARD_KEY, VAL_SCORE_KEY
+from verl_core.trainer.run_files import METRICS_FILE, read_records
 
 #: The picture's file in the run folder.
 PLOT_FILE = "curves.png"

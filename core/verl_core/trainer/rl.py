@@ -42,16 +42,10 @@ from verl_core.reward import load_reward_function, score_responses
 from verl_core.rollout.base import ROLLOUT_LOG_PROBS, SamplingParams
 from verl_core.trainer import checkpoints, console
 from verl_core.trainer.loop import Trainer, check_not_finished, epoch_sampler, run_length, with_run_length
-from verl_core.trainer.metrics import (
-    REWARD_KEY,
-    STEP_TIME_KEY,
-    VAL_SCORE_KEY,
-    Timer,
-    perf_metrics,
-    validation_samples_path,
-    write_jsonl,
-)
+from verl_core.trainer.metrics import REWARD_KEY, VAL_SCORE_KEY
 from verl_core.trainer.preflight import preflight
+from verl_core.trainer.run_files import validation_samples_path, write_jsonl
+from verl_core.trainer.timing import STEP_TIME_KEY, Timer, perf_metrics
 from verl_core.trainer.validation import summarize
 from verl_core.workers.roles import Actor, Critic
 

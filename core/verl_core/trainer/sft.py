@@ -35,8 +35,8 @@ from verl_core.data.sampler import sequential_batches
 from verl_core.errors import ConfigError
 from verl_core.trainer import checkpoints, console
 from verl_core.trainer.loop import Trainer, check_not_finished, epoch_sampler, run_length, with_run_length
-from verl_core.trainer.metrics import STEP_TIME_KEY, Timer, perf_metrics
 from verl_core.trainer.preflight import preflight
+from verl_core.trainer.timing import STEP_TIME_KEY, Timer, perf_metrics
 from verl_core.workers.sft import SFT, SFTWorker
 
 #: The training loss (the step's token-mean NLL of the responses) and the validation set's.

@@ -12,7 +12,10 @@ import email.parser
 import json
 import os
 import shutil
+import signal
 import sys
+import time
+import uuid
 import zipfile
 from pathlib import Path
 
@@ -63,7 +66,66 @@ def tests(session: nox.Session) -> None:
     # It names them by their path from the repository root (tests.test_engine_loop), and ``python -m``
     # puts that root on sys.path, so ranks spawned by a test can import the test module too.
     paths = [] if paths_given else suites
-    session.run("python", "-m", "pytest", "--import-mode=importlib", *paths, *session.posargs)
+    # Every process the tests start carries this tag in its environment (children inherit it, also
+    # those whose parent is gone): any still alive once pytest has exited was left behind.
+    tag = uuid.uuid4().hex
+    try:
+        session.run(
+            "python",
+            "-m",
+            "pytest",
+            "--import-mode=importlib",
+            *paths,
+            *session.posargs,
+            env={TEST_RUN_TAG: tag},
+        )
+    finally:
+        left = _end_left_behind(tag)
+    if left:
+        session.error(
+            f"{len(left)} process(es) started by the tests outlived them (killed now):\n" + "\n".join(left)
+        )
+
+
+#: The environment variable that tags the processes of one ``tests`` session.
+TEST_RUN_TAG = "VERL_TEST_RUN_TAG"  # not VERL_CORE_*: some tests clear those
+#: How long processes that are ending anyway (a Ray cluster's, shut down as pytest finishes) may take.
+LEFT_BEHIND_GRACE_S = 20.0
+
+
+def _end_left_behind(tag: str) -> list[str]:
+    """The processes tagged ``tag`` still alive after a grace period, as ``pid command`` lines; each
+    is killed. Linux only (/proc): elsewhere nothing is checked."""
+    if not Path("/proc").is_dir():
+        return []
+    deadline = time.monotonic() + LEFT_BEHIND_GRACE_S
+    while (left := _tagged_processes(tag)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    return [f"{pid} {command}" for pid, command in left.items()]
+
+
+def _tagged_processes(tag: str) -> dict[int, str]:
+    """``{pid: command line}`` of the live processes (zombies are dead) whose environment holds ``tag``."""
+    needle = f"{TEST_RUN_TAG}={tag}".encode()
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+        if state not in ("Z", "X"):
+            found[int(entry.name)] = command[:200]
+    return found
 
 
 #: The demo's folders: its model and data, the SFT warm-up's run, the GRPO run (examples/grpo.yaml).

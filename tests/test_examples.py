@@ -47,13 +47,6 @@ def test_example_builds_and_initialises_its_engines(example: Path, tiny) -> None
 DEMO_EXAMPLES = [path for path in EXAMPLES if "runs/demo/model" in path.read_text()]
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    from fixtures.demo import build_small_demo
-
-    return build_small_demo(tmp_path_factory.mktemp("demo"))
-
-
 def test_the_recipes_are_all_there() -> None:
     assert {path.stem for path in DEMO_EXAMPLES} >= {"grpo", "ppo_gae", "rloo", "reinforce_pp", "dapo"}
 

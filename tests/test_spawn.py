@@ -1,14 +1,31 @@
 """``verl_core.testing.spawn``: ranks in one gloo group, and every way a rank can go wrong reported
-with the reason (a traceback, an exit code, the stacks of a hang), never a hang of the test."""
+with the reason (a traceback, an exit code, the stacks of a hang), never a hang of the test; and no
+process of a run outlives it, whether it passes, fails, crashes or times out, or its launcher is
+killed: each run's ranks start processes that would outlive them (``fixtures.descendants``), and
+the tests look for any left behind."""
 
 from __future__ import annotations
 
+import multiprocessing.resource_tracker
 import os
+import subprocess
+import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from fixtures.descendants import (
+    DESCENDANTS_PER_RANK,
+    MARKER,
+    descendants_file,
+    hangs_with_descendants,
+    kill_left_behind,
+    left_behind,
+    start_descendants,
+)
 
 from verl_core.testing.spawn import Rank, SpawnError, _first_failures, spawn
 
@@ -16,6 +33,7 @@ pytestmark = pytest.mark.distributed
 
 
 def sums_ranks(rank: Rank, expected: int) -> None:
+    start_descendants(rank)
     value = torch.tensor([rank.rank + 1])
     dist.all_reduce(value)
     assert int(value) == expected, int(value)
@@ -23,29 +41,48 @@ def sums_ranks(rank: Rank, expected: int) -> None:
 
 
 def raises_on_rank_one(rank: Rank) -> None:
+    start_descendants(rank)
+    dist.barrier()  # both ranks have started theirs
     if rank.rank == 1:
         raise ValueError("rank one cannot go on")
     dist.barrier()  # rank 0 waits for rank 1, which never comes: it must be killed, not awaited
 
 
 def exits_hard(rank: Rank) -> None:
+    start_descendants(rank)
     os._exit(3)
 
 
-def hangs(rank: Rank) -> None:
-    time.sleep(600)
+@pytest.fixture
+def marker(monkeypatch) -> str:
+    """Tags the processes the test starts (``fixtures.descendants``); afterwards kills any that the
+    test found left (so that a failure does not leave them to the next tests)."""
+    # The launcher's own resource tracker, shared by all its runs and ending with it, is not a run's.
+    multiprocessing.resource_tracker.ensure_running()
+    value = uuid.uuid4().hex
+    monkeypatch.setenv(MARKER, value)
+    yield value
+    kill_left_behind(value)
 
 
-def test_ranks_form_one_group_and_log_to_their_files(tmp_path) -> None:
+def assert_nothing_left(marker: str, workdir: Path, ranks: range) -> None:
+    for rank in ranks:  # the ranks did start what would outlive them
+        assert len(descendants_file(workdir, rank).read_text().split()) >= DESCENDANTS_PER_RANK
+    assert left_behind(marker) == []
+
+
+def test_ranks_form_one_group_and_log_to_their_files(tmp_path, marker) -> None:
     spawn(sums_ranks, (3,), world_size=2, workdir=tmp_path, timeout_s=120)
     assert "rank 1 of 2 summed 3" in (tmp_path / "rank1.log").read_text()
+    assert_nothing_left(marker, tmp_path, range(2))
 
 
-def test_a_rank_that_raises_is_reported_with_its_traceback_and_the_others_killed(tmp_path) -> None:
-    started = time.monotonic()
+def test_a_rank_that_raises_is_reported_with_its_traceback_and_the_others_killed(tmp_path, marker) -> None:
     with pytest.raises(SpawnError) as caught:
         spawn(raises_on_rank_one, world_size=2, workdir=tmp_path, timeout_s=120)
-    assert time.monotonic() - started < 60  # not the 60 s collective timeout of rank 0
+    # Killed at once, not at the run's timeout: rank 0 never dumped its stacks (3 s before it).
+    assert "Timeout (" not in (tmp_path / "rank0.log").read_text()
+    assert_nothing_left(marker, tmp_path, range(2))
     message = str(caught.value)
     assert "rank(s) [1] failed (rank 1: exit code 1)" in message
     assert "ValueError: rank one cannot go on" in message and "raises_on_rank_one" in message
@@ -65,18 +102,47 @@ def test_ranks_that_fail_later_are_told_apart_from_the_first_failure(tmp_path) -
     assert _first_failures(tmp_path, [3]) == ([3], [])
 
 
-def test_a_rank_that_exits_without_a_traceback_is_named_with_its_exit_code(tmp_path) -> None:
+def test_a_rank_that_exits_without_a_traceback_is_named_with_its_exit_code(tmp_path, marker) -> None:
     with pytest.raises(SpawnError, match=r"rank\(s\) \[0\] failed \(rank 0: exit code 3\)"):
         spawn(exits_hard, world_size=1, workdir=tmp_path, timeout_s=120)
+    assert_nothing_left(marker, tmp_path, range(1))
 
 
-def test_a_hang_ends_at_the_timeout_with_the_ranks_stacks(tmp_path) -> None:
+def test_a_hang_ends_at_the_timeout_with_the_ranks_stacks(tmp_path, marker) -> None:
     # The rank dumps its stacks 3 s before the timeout: the timeout leaves the rank time to import
-    # torch, join the group and reach ``hangs`` on a loaded machine (8 s once did not, in CI).
+    # torch, join the group and reach ``hangs_with_descendants`` on a loaded machine (8 s once did
+    # not, in CI). It ignores SIGTERM, as do the children it starts.
     with pytest.raises(SpawnError) as caught:
-        spawn(hangs, world_size=1, workdir=tmp_path, timeout_s=20)
+        spawn(hangs_with_descendants, world_size=1, workdir=tmp_path, timeout_s=20)
     assert caught.value.timed_out and "did not finish within 20 s" in str(caught.value)
-    assert "in hangs" in str(caught.value)  # faulthandler's stacks, dumped just before the timeout
+    assert "in hangs_with_descendants" in str(caught.value)  # faulthandler's stacks, just before
+    assert_nothing_left(marker, tmp_path, range(1))
+
+
+LAUNCHER = """
+import sys
+sys.path.insert(0, {tests!r})
+from fixtures.descendants import hangs_with_descendants
+from verl_core.testing.spawn import spawn
+spawn(hangs_with_descendants, world_size=1, workdir={workdir!r}, timeout_s=600)
+"""
+
+
+def test_a_killed_launcher_takes_its_ranks_and_what_they_started_along(tmp_path, marker) -> None:
+    """The launcher SIGKILLed mid-run (CI giving up on a job): its watchdog kills the ranks' groups."""
+    code = LAUNCHER.format(tests=str(Path(__file__).parent), workdir=str(tmp_path))
+    launcher = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 120
+    while not descendants_file(tmp_path, 0).exists():  # the rank has started its descendants
+        assert launcher.poll() is None, f"the launcher ended first, with exit code {launcher.returncode}"
+        assert time.monotonic() < deadline, "the rank did not start its descendants within 120 s"
+        time.sleep(0.1)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10  # SIGKILL is not instant; the watchdog acts within milliseconds
+    while left_behind(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert_nothing_left(marker, tmp_path, range(1))
 
 
 def test_local_functions_are_refused() -> None:

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from fixtures.demo import build_small_demo, run_overrides
+from fixtures.demo import run_overrides
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verl_core.config import load_config
@@ -60,10 +60,9 @@ def reference_step(model_dir, prompts, responses, scores_by_group, n):
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
-def test_one_grpo_step_on_two_ranks_equals_the_single_process_computation(tmp_path) -> None:
-    from verl_core.workers.ray_group import ensure_ray
-
-    demo = build_small_demo(tmp_path / "demo")
+def test_one_grpo_step_on_two_ranks_equals_the_single_process_computation(
+    demo, tmp_path, ray_cluster
+) -> None:
     overrides = run_overrides(
         demo,
         tmp_path,
@@ -79,7 +78,6 @@ def test_one_grpo_step_on_two_ranks_equals_the_single_process_computation(tmp_pa
             "actor.engine.micro_batch.micro_batch_size": 3,  # uneven micro-batches on each rank
         },
     )
-    ray = ensure_ray(None)
     trainer = RLTrainer.from_config(load_config([], overrides), show_progress=False)
     try:
         trainer.fit()
@@ -87,7 +85,6 @@ def test_one_grpo_step_on_two_ranks_equals_the_single_process_computation(tmp_pa
         after = trainer.actor.weights()
     finally:
         trainer.shutdown()
-        ray.shutdown()
 
     tokenizer = AutoTokenizer.from_pretrained(str(demo.model), local_files_only=True)
     width = batch[RESPONSES].shape[-1]

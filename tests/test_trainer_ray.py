@@ -4,11 +4,11 @@ fsdp backend sharded over them; an unreachable cluster address is an error withi
 from __future__ import annotations
 
 import json
-import time
+import os
 
 import pytest
 import torch
-from fixtures.demo import build_small_demo, run_overrides
+from fixtures.demo import run_overrides
 
 from verl_core.config import load_config
 from verl_core.trainer.rl import RLTrainer
@@ -18,21 +18,7 @@ pytestmark = pytest.mark.distributed
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    return build_small_demo(tmp_path_factory.mktemp("demo"))
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    from verl_core.workers.ray_group import ensure_ray
-
-    ray = ensure_ray(None)
-    yield ray
-    ray.shutdown()
-
-
-def test_grpo_on_two_fsdp_ranks_under_ray(demo, tmp_path, ray_session) -> None:
+def test_grpo_on_two_fsdp_ranks_under_ray(demo, tmp_path, ray_cluster) -> None:
     overrides = run_overrides(
         demo,
         tmp_path,
@@ -51,7 +37,7 @@ def test_grpo_on_two_fsdp_ranks_under_ray(demo, tmp_path, ray_session) -> None:
     assert (tmp_path / "checkpoints" / "global_step_2" / "actor").is_dir()
 
 
-def test_ppo_with_a_critic_on_two_fsdp_ranks_under_ray(demo, tmp_path, ray_session) -> None:
+def test_ppo_with_a_critic_on_two_fsdp_ranks_under_ray(demo, tmp_path, ray_cluster) -> None:
     critic = f"{{backend: fsdp, model: {{path: {demo.model}}}, device: cpu, optim: {{lr: 1e-3}}}}"
     overrides = run_overrides(
         demo,
@@ -74,20 +60,35 @@ def test_ppo_with_a_critic_on_two_fsdp_ranks_under_ray(demo, tmp_path, ray_sessi
     assert final["critic/vf_loss"] > 0 and final["critic/grad_norm"] > 0 and final["actor/grad_norm"] > 0
 
 
-def test_an_unreachable_ray_address_is_an_error_within_seconds(demo, tmp_path) -> None:
-    from verl_core.workers.ray_group import RayWorkerGroup
+def test_an_unreachable_ray_address_is_an_error_within_seconds(monkeypatch) -> None:
+    """Within seconds: one connection attempt bounded by CONNECT_TIMEOUT_S, and Ray (whose own
+    connection attempts retry for minutes) is never asked to connect."""
+    from verl_core.workers import ray_group
 
-    started = time.monotonic()
+    for name, value in ray_group.RAY_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)  # as ensure_ray does, before Ray is imported
+    import ray
+
+    attempts = []
+    connect = ray_group.socket.create_connection
+    monkeypatch.setattr(
+        ray_group.socket,
+        "create_connection",
+        lambda address, timeout: attempts.append((address, timeout)) or connect(address, timeout=timeout),
+    )
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: pytest.fail("ray.init was called"))
     with pytest.raises(
         WorkerError, match=r"trainer\.ray_address='127\.0\.0\.1:1': no Ray cluster answers there"
     ):
-        RayWorkerGroup("actor", lambda: None, world_size=1, address="127.0.0.1:1")
-    assert time.monotonic() - started < 15
+        ray_group.RayWorkerGroup("actor", lambda: None, world_size=1, address="127.0.0.1:1")
+    assert attempts == [(("127.0.0.1", 1), ray_group.CONNECT_TIMEOUT_S)]
 
 
 def test_a_killed_worker_ends_the_run_naming_the_role_and_rank_and_the_checkpoint_stays(
-    demo, tmp_path, ray_session
+    demo, tmp_path, ray_cluster
 ) -> None:
+    from ray.exceptions import RayActorError
+
     from verl_core.trainer import checkpoints
 
     overrides = run_overrides(
@@ -103,11 +104,11 @@ def test_a_killed_worker_ends_the_run_naming_the_role_and_rank_and_the_checkpoin
     trainer = RLTrainer.from_config(load_config([], overrides), show_progress=False)
     try:
         trainer.fit()  # step 1, checkpoint 1
-        ray_session.kill(trainer.actor.group.actors[1], no_restart=True)
-        started = time.monotonic()
+        ray_cluster.kill(trainer.actor.group.actors[1], no_restart=True)
         with pytest.raises(WorkerError, match=r"actor rank 1's process died") as caught:
             trainer.train_step(2)
-        assert time.monotonic() - started < 60
+        # Ray's report of the dead actor, not rank 0's collective timing out waiting for it.
+        assert isinstance(caught.value.__cause__, RayActorError)
         assert "the last checkpoint is intact" in str(caught.value)
     finally:
         trainer.shutdown()
@@ -178,7 +179,7 @@ def test_two_steps_on_a_ray_cluster_started_with_ray_start(demo, tmp_path) -> No
 
 
 def test_responses_that_do_not_split_over_the_ranks_are_refused_before_the_first_step(
-    demo, tmp_path, ray_session
+    demo, tmp_path, ray_cluster
 ) -> None:
     from verl_core.errors import ConfigError
 

@@ -25,6 +25,7 @@ VAL_PAIRS = 7
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
+    """The demo with more SFT rows than the session's, and a validation file written next to them."""
     return build_small_demo(tmp_path_factory.mktemp("demo"), sft_size=64)
 
 
@@ -222,17 +223,8 @@ def test_verl_core_sft_exports_a_model_an_rl_run_starts_from(demo, val_file, tmp
     assert "written by `verl-core train`): give this run its own checkpoint_dir" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    from verl_core.workers.ray_group import ensure_ray
-
-    ray = ensure_ray(None)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.distributed
-def test_sft_on_two_fsdp_ranks_under_ray(demo, val_file, tmp_path, ray_session) -> None:
+def test_sft_on_two_fsdp_ranks_under_ray(demo, val_file, tmp_path, ray_cluster) -> None:
     overrides = sft_overrides(
         demo,
         val_file,

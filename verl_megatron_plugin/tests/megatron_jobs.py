@@ -2,14 +2,21 @@
 
 Each job trains or infers with one parallel layout on the kit's tiny model and batches (each DP rank
 takes its DP share, every rank of a replica the same) and leaves what it measured in
-``<workdir>/<name>.pt`` (written by global rank 0): the test side compares layouts with each other, with
-the ``fsdp`` backend and with the single-process Hugging Face reference. ``broken`` names a
-deliberately wrong variant of the engine, which the tests require to be caught.
+``<workdir>/<name>.pt`` (written by global rank 0): the test side compares layouts with each other and
+with the single-process Hugging Face reference. ``broken`` names a deliberately wrong variant of the
+engine, which the tests require to be caught.
+
+``spawn_in_turn`` runs several jobs of one world size on one set of ranks (starting ranks and
+importing megatron-core costs seconds per spawn, a job on the tiny model less): each job gets a fresh
+megatron-core parallel state, so that its layout may differ from the one before, and its broken
+variant, if any, is undone after it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +40,39 @@ STEP_SEEDS = (1, 2)
 
 def spawn(job: str, world_size: int, workdir: Path, **kwargs: Any) -> dict[str, Any]:
     """Run ``job`` on ``world_size`` ranks; return what its rank 0 saved."""
-    name = kwargs["name"]
+    return spawn_in_turn(world_size, workdir, [(job, kwargs)])[kwargs["name"]]
+
+
+def spawn_in_turn(world_size: int, workdir: Path, jobs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Run ``jobs`` (``(job, kwargs)`` each) one after the other on one set of ``world_size`` ranks;
+    return what each one's rank 0 saved, by name."""
+    names = [kwargs["name"] for _, kwargs in jobs]
     run_ranks(
-        JOBS[job],
-        (str(workdir), kwargs),
+        run_in_turn,
+        (str(workdir), jobs),
         world_size=world_size,
-        workdir=workdir / f"ranks_{name}",
-        timeout_s=JOB_TIMEOUT_S,
+        workdir=workdir / f"ranks_{'+'.join(names)}",
+        timeout_s=JOB_TIMEOUT_S * len(jobs),
     )
-    return torch.load(workdir / f"{name}.pt", weights_only=False)
+    return {name: torch.load(workdir / f"{name}.pt", weights_only=False) for name in names}
+
+
+def run_in_turn(rank: Rank, workdir: str, jobs: list[tuple[str, dict[str, Any]]]) -> None:
+    for job, kwargs in jobs:
+        broken = kwargs.get("broken") if kwargs.get("backend", "megatron") == "megatron" else None
+        with broken_variant(broken):
+            JOBS[job](rank, workdir, kwargs)
+        _reset_parallel_state()
+
+
+def _reset_parallel_state() -> None:
+    """Forget megatron-core's parallel layout (one per process), so that the next job sets its own."""
+    import sys
+
+    if "megatron.core" in sys.modules:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
 
 
 def engine(
@@ -49,14 +80,12 @@ def engine(
     backend: str,
     options: dict[str, Any],
     micro_batch_size: int,
-    broken: str | None,
     gradient_checkpointing: bool = False,
 ):
     from verl_core.plugins import get_registry
 
     if backend == "megatron":
         options = {"cpu_bridge": True, **options}
-        _break(broken)
     registry = get_registry()
     options_class = registry.get("engine_backends", backend).load_config()
     config = EngineConfig(
@@ -73,29 +102,58 @@ def engine(
     return built
 
 
-def _break(broken: str | None) -> None:
-    """Install a deliberately wrong variant of the engine in this rank."""
+@contextlib.contextmanager
+def broken_variant(broken: str | None) -> Iterator[None]:
+    """A deliberately wrong variant of the engine in this rank, for the block; then the engine again."""
     if broken is None:
+        yield
         return
     from verl_megatron import engine as megatron_engine
     from verl_megatron import model, weights
 
     if broken == "schedule_averaging_kept":  # the loss averaged over micro-batches twice
-        megatron_engine.MegatronEngine._undo_schedule_averaging = staticmethod(lambda loss, count: loss)
+        patches = [
+            (
+                megatron_engine.MegatronEngine,
+                "_undo_schedule_averaging",
+                staticmethod(lambda loss, count: loss),
+            )
+        ]
     elif broken == "untagged_tp_parameters":  # megatron-core's TP attributes never set: wrong grad norm
         build = model.transformer_config
-        model.transformer_config = lambda *a, **k: dataclasses.replace(
-            build(*a, **k), perform_initialization=False
-        )
-    elif broken == "qkv_not_grouped":  # [all q, all k, all v] instead of per query group
-        weights._fuse_qkv = lambda q, k, v, heads: torch.cat([q, k, v])
-        weights._split_qkv = lambda fused, heads: list(
-            fused.split(
-                [heads.num_attention_heads * heads.head_dim, *[heads.num_query_groups * heads.head_dim] * 2]
+        patches = [
+            (
+                model,
+                "transformer_config",
+                lambda *a, **k: dataclasses.replace(build(*a, **k), perform_initialization=False),
             )
-        )
+        ]
+    elif broken == "qkv_not_grouped":  # [all q, all k, all v] instead of per query group
+        patches = [
+            (weights, "_fuse_qkv", lambda q, k, v, heads: torch.cat([q, k, v])),
+            (
+                weights,
+                "_split_qkv",
+                lambda fused, heads: list(
+                    fused.split(
+                        [
+                            heads.num_attention_heads * heads.head_dim,
+                            *[heads.num_query_groups * heads.head_dim] * 2,
+                        ]
+                    )
+                ),
+            ),
+        ]
     else:
         raise ValueError(f"no broken variant {broken!r}")
+    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+    for owner, name, replacement in patches:
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
 
 
 def local_batch(seed: int, built) -> Any:
@@ -113,7 +171,6 @@ def run_steps(rank: Rank, workdir: str, kwargs: dict[str, Any]) -> None:
         kwargs["backend"],
         kwargs.get("options", {}),
         kwargs["micro_batch_size"],
-        kwargs.get("broken"),
         kwargs.get("gradient_checkpointing", False),
     )
     metrics = []
@@ -129,7 +186,7 @@ def run_infer(rank: Rank, workdir: str, kwargs: dict[str, Any]) -> None:
     """Log-probs and entropy on batch B (gathered over the DP ranks in batch order): ``initial``
     (after ``load``, if given), and ``trained`` after a step on A when ``train`` is set; then ``save``
     a checkpoint if asked."""
-    built = engine(kwargs["model"], "megatron", kwargs.get("options", {}), 2, kwargs.get("broken"))
+    built = engine(kwargs["model"], "megatron", kwargs.get("options", {}), 2)
     if "load" in kwargs:
         built.load_checkpoint(str(Path(workdir) / kwargs["load"]))
     result = {"initial": gathered_outputs(built)}

@@ -1,11 +1,12 @@
 """The CPU bridge (``verl_megatron.cpu_bridge``) is opt-in, never applied on import or where CUDA
-is, and does what it says. Its effect is process-wide, so what enables it runs in a subprocess."""
+is, and does what it says. Its effect is process-wide, so what enables it runs in a subprocess: one
+for both of the tests that need one (importing megatron-core there costs seconds)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -16,18 +17,10 @@ from verl_megatron import cpu_bridge
 from verl_megatron.config import MegatronConfig
 from verl_megatron.engine import MegatronEngine
 
-
-def run_python(code: str) -> str:
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
-
-
-def test_importing_the_plugin_patches_nothing():
-    run_python(
-        """
+#: What runs in one fresh process, in order (each part's failure is recorded, the next still runs):
+#: importing the plugin patches nothing; then, enabled, the bridge does what it says.
+PARTS = {
+    "importing_patches_nothing": """
         import torch
         original = (torch.cuda.current_device, torch.cuda.synchronize)
         import verl_megatron.plugin, verl_megatron.engine, verl_megatron.cpu_bridge, verl_megatron.model
@@ -35,20 +28,8 @@ def test_importing_the_plugin_patches_nothing():
         assert not verl_megatron.cpu_bridge.is_enabled()
         from torch.overrides import _get_current_function_mode_stack
         assert not _get_current_function_mode_stack()
-        """
-    )
-
-
-def test_it_refuses_a_machine_with_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(cpu_bridge.BridgeRefused, match="unset engine.megatron.cpu_bridge"):
-        cpu_bridge.enable()
-    assert not cpu_bridge.is_enabled()
-
-
-def test_once_enabled_cuda_tensors_and_the_rng_tracker_live_on_the_cpu():
-    out = run_python(
-        """
+        """,
+    "enabled": """
         import torch
         from verl_megatron import cpu_bridge
         cpu_bridge.enable()
@@ -69,10 +50,45 @@ def test_once_enabled_cuda_tensors_and_the_rng_tracker_live_on_the_cpu():
         assert not torch.equal(first, second)  # the tracker's own stream advanced
         generator = torch.Generator().manual_seed(1234)
         assert torch.equal(first, torch.rand(3, generator=generator))
-        print("ok")
-        """
+        """,
+}
+
+RUNNER = """
+import json, sys, textwrap, traceback
+failures = {}
+for name, code in json.loads(sys.argv[1]).items():
+    try:
+        exec(textwrap.dedent(code), {})
+        failures[name] = None
+    except BaseException:
+        failures[name] = traceback.format_exc()
+print(json.dumps(failures))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_process() -> dict[str, str | None]:
+    """Why each of ``PARTS`` failed (None: it did not), run in turn in one fresh process."""
+    result = subprocess.run(
+        [sys.executable, "-c", RUNNER, json.dumps(PARTS)], capture_output=True, text=True, timeout=240
     )
-    assert out.strip() == "ok"
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_importing_the_plugin_patches_nothing(fresh_process):
+    assert fresh_process["importing_patches_nothing"] is None, fresh_process["importing_patches_nothing"]
+
+
+def test_it_refuses_a_machine_with_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(cpu_bridge.BridgeRefused, match="unset engine.megatron.cpu_bridge"):
+        cpu_bridge.enable()
+    assert not cpu_bridge.is_enabled()
+
+
+def test_once_enabled_cuda_tensors_and_the_rng_tracker_live_on_the_cpu(fresh_process):
+    assert fresh_process["enabled"] is None, fresh_process["enabled"]
 
 
 def engine(options: MegatronConfig, device: str = "cpu", **model: object) -> MegatronEngine:

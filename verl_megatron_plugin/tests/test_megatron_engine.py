@@ -1,10 +1,17 @@
-"""The Megatron engine's parallel layouts against each other, the ``fsdp`` backend and the
-single-process Hugging Face reference, on spawned gloo ranks (the runs live in ``megatron_jobs.py``).
+"""The Megatron engine's parallel layouts against each other and the single-process Hugging Face
+reference, on spawned gloo ranks (the runs live in ``megatron_jobs.py``).
 
 The model is the kit's tiny Qwen2 with 4 layers (so that 2 stages x 2 virtual chunks divide them)
 and an odd vocabulary (129: padded to 130 rows at TP=2),
 the data the kit's batches A and B, each DP rank training on its share; the micro-batch size differs
 between layouts on purpose: nothing may depend on the micro-batch count, TP, PP or DP.
+
+Three spawns in all: the runs at two ranks (layouts, a TP=2 checkpoint, the broken variants) in one,
+those at one rank (the baseline, the TP=2 checkpoint reloaded, a broken variant) in another, and
+TP=2 x PP=2 at four ranks. Against the ``fsdp`` backend the engine is not compared directly: both
+match the same single-process reference (here ``test_one_rank_equals_the_hugging_face_reference``
+and ``test_parallel_layouts_equal_one_rank``; for fsdp the conformance kit's ``first_step``,
+``lr_schedule`` and ``checkpoint`` checks in verl_fsdp_plugin/tests/test_conformance.py).
 """
 
 from __future__ import annotations
@@ -75,22 +82,49 @@ def reference_steps(model):
     return reference.reference_steps(model.lm, "lm", batches, BASE_OPTIM, TEMPERATURE)
 
 
-def steps(megatron_jobs, workdir, model, name, world_size, backend="megatron", **kwargs):
-    return megatron_jobs.spawn(
-        "steps",
-        world_size,
-        workdir,
-        name=name,
-        model=model.lm,
-        backend=backend,
-        **{"micro_batch_size": 2, **kwargs},
-    )
+def steps(model, name, **kwargs) -> tuple[str, dict]:
+    """A ``steps`` job of ``megatron_jobs``: two training steps, named ``name``."""
+    return "steps", {"name": name, "model": model.lm, "backend": "megatron", "micro_batch_size": 2, **kwargs}
 
 
 @pytest.fixture(scope="module")
-def baseline(megatron_jobs, workdir, model):
+def at_two_ranks(megatron_jobs, workdir, model) -> dict:
+    """Every run at two ranks, by name, in one spawn."""
+    jobs = [steps(model, name, **kwargs) for name, (world_size, kwargs) in LAYOUTS.items() if world_size == 2]
+    jobs += [
+        # PP=2 with 4 micro-batches of 3: the gradients come out a quarter (the reported loss is read
+        # before the schedule's division, so the grad norm is what shows it).
+        steps(
+            model,
+            "broken_averaging",
+            options={"pipeline_model_parallel_size": 2},
+            micro_batch_size=3,
+            broken="schedule_averaging_kept",
+        ),
+        steps(model, "broken_tp_tags", options=TP2, micro_batch_size=1, broken="untagged_tp_parameters"),
+        (
+            "infer",
+            {"name": "tp2_saving", "model": model.lm, "options": TP2, "train": True, "save": "ckpt_tp2"},
+        ),
+    ]
+    return megatron_jobs.spawn_in_turn(2, workdir, jobs)
+
+
+@pytest.fixture(scope="module")
+def at_one_rank(megatron_jobs, workdir, model, at_two_ranks) -> dict:
+    """Every run at one rank, by name, in one spawn (after ``at_two_ranks``: one reloads its checkpoint)."""
+    jobs = [
+        steps(model, "tp1"),
+        ("infer", {"name": "tp1_loading", "model": model.lm, "load": "ckpt_tp2"}),
+        ("infer", {"name": "broken_qkv", "model": model.lm, "broken": "qkv_not_grouped"}),
+    ]
+    return megatron_jobs.spawn_in_turn(1, workdir, jobs)
+
+
+@pytest.fixture(scope="module")
+def baseline(at_one_rank):
     """TP=1, PP=1 on one rank."""
-    return steps(megatron_jobs, workdir, model, "tp1", 1)
+    return at_one_rank["tp1"]
 
 
 def assert_same_steps(actual, expected, against: str) -> None:
@@ -119,50 +153,27 @@ def test_one_rank_equals_the_hugging_face_reference(baseline, reference_steps):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_parallel_layouts_equal_one_rank(megatron_jobs, workdir, model, baseline, layout):
+def test_parallel_layouts_equal_one_rank(megatron_jobs, workdir, model, at_two_ranks, baseline, layout):
     world_size, kwargs = LAYOUTS[layout]
-    result = steps(megatron_jobs, workdir, model, layout, world_size, **kwargs)
+    if world_size == 2:
+        result = at_two_ranks[layout]
+    else:
+        job, job_kwargs = steps(model, layout, **kwargs)
+        result = megatron_jobs.spawn(job, world_size, workdir, **job_kwargs)
     assert_same_steps(result, baseline, "TP=1 PP=1 on one rank")
-
-
-def test_equals_the_fsdp_backend_on_the_same_model_and_data(megatron_jobs, workdir, model, baseline):
-    fsdp = steps(megatron_jobs, workdir, model, "fsdp", 2, backend="fsdp")
-    assert_same_steps(baseline, fsdp, "fsdp on 2 ranks")
 
 
 # -- broken variants: what the comparisons above catch ------------------------------------------------
 
 
-def test_a_loss_left_averaged_over_micro_batches_is_caught(megatron_jobs, workdir, model, baseline):
-    # PP=2 with 4 micro-batches of 3: the gradients come out a quarter (the reported loss is read
-    # before the schedule's division, so the grad norm is what shows it).
-    broken = steps(
-        megatron_jobs,
-        workdir,
-        model,
-        "broken_averaging",
-        2,
-        options={"pipeline_model_parallel_size": 2},
-        micro_batch_size=3,
-        broken="schedule_averaging_kept",
-    )
+def test_a_loss_left_averaged_over_micro_batches_is_caught(at_two_ranks, baseline):
     with pytest.raises(AssertionError, match="grad_norm"):
-        assert_same_steps(broken, baseline, "TP=1 PP=1 on one rank")
+        assert_same_steps(at_two_ranks["broken_averaging"], baseline, "TP=1 PP=1 on one rank")
 
 
-def test_untagged_tensor_parallel_parameters_give_a_wrong_grad_norm(megatron_jobs, workdir, model, baseline):
-    broken = steps(
-        megatron_jobs,
-        workdir,
-        model,
-        "broken_tp_tags",
-        2,
-        options=TP2,
-        micro_batch_size=1,
-        broken="untagged_tp_parameters",
-    )
+def test_untagged_tensor_parallel_parameters_give_a_wrong_grad_norm(at_two_ranks, baseline):
     with pytest.raises(AssertionError, match="grad_norm"):
-        assert_same_steps(broken, baseline, "TP=1 PP=1 on one rank")
+        assert_same_steps(at_two_ranks["broken_tp_tags"], baseline, "TP=1 PP=1 on one rank")
 
 
 # -- checkpoints across layouts and weight layouts --------------------------------------------------------
@@ -178,19 +189,14 @@ def max_difference(actual: dict[str, torch.Tensor], expected: dict[str, torch.Te
     return max(float(((actual[k] - expected[k]).abs() * mask).max()) for k in ("log_probs", "entropy"))
 
 
-def test_tp2_outputs_and_a_tp2_checkpoint_reloaded_at_tp1(megatron_jobs, workdir, model):
-    saved = megatron_jobs.spawn(
-        "infer", 2, workdir, name="tp2_saving", model=model.lm, options=TP2, train=True, save="ckpt_tp2"
-    )
+def test_tp2_outputs_and_a_tp2_checkpoint_reloaded_at_tp1(model, at_two_ranks, at_one_rank):
+    saved = at_two_ranks["tp2_saving"]
     assert max_difference(saved["initial"], reference_outputs(model)) <= OUTPUT_TOLERANCE.atol
-    loaded = megatron_jobs.spawn("infer", 1, workdir, name="tp1_loading", model=model.lm, load="ckpt_tp2")
+    loaded = at_one_rank["tp1_loading"]
     assert max_difference(loaded["initial"], saved["trained"]) <= OUTPUT_TOLERANCE.atol
     # ... and the step did change them: the load restored trained weights, not the initial ones.
     assert max_difference(loaded["initial"], saved["initial"]) > 1e-4
 
 
-def test_a_qkv_layout_not_grouped_by_query_group_is_caught(megatron_jobs, workdir, model):
-    broken = megatron_jobs.spawn(
-        "infer", 1, workdir, name="broken_qkv", model=model.lm, broken="qkv_not_grouped"
-    )
-    assert max_difference(broken["initial"], reference_outputs(model)) > 1e-3
+def test_a_qkv_layout_not_grouped_by_query_group_is_caught(model, at_one_rank):
+    assert max_difference(at_one_rank["broken_qkv"]["initial"], reference_outputs(model)) > 1e-3

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from fixtures.demo import build_small_demo, run_overrides
+from fixtures.demo import run_overrides
 from transformers import AutoModelForCausalLM
 
 from verl_core.config import load_config
@@ -17,15 +17,7 @@ pytestmark = pytest.mark.distributed
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    return build_small_demo(tmp_path_factory.mktemp("demo"))
-
-
-def test_two_grpo_steps_at_tensor_parallel_size_2_under_ray(demo, tmp_path) -> None:
-    from verl_core.workers.ray_group import ensure_ray
-
-    ray = ensure_ray(None)
+def test_two_grpo_steps_at_tensor_parallel_size_2_under_ray(demo, tmp_path, ray_cluster) -> None:
     overrides = run_overrides(
         demo,
         tmp_path,
@@ -45,7 +37,6 @@ def test_two_grpo_steps_at_tensor_parallel_size_2_under_ray(demo, tmp_path) -> N
         final = trainer.fit()
     finally:
         trainer.shutdown()
-        ray.shutdown()
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]
     for line in lines:

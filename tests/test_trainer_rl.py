@@ -130,7 +130,7 @@ def score(prompt, response, extra):
 
 
 def test_dynamic_sampling_drops_groups_without_signal_and_fills_the_batch(demo, tmp_path) -> None:
-    from verl_core.trainer.metrics import Timer
+    from verl_core.trainer.timing import Timer
 
     reward = tmp_path / "reward.py"
     reward.write_text(CONSTANT_FOR_SOME)

@@ -114,7 +114,7 @@ def _run_checks(
     backend: str, rollout_class: type, options: Any, model_dir: str, device: str, selected: tuple[str, ...]
 ) -> tuple[list[RankRecord], str | None]:
     from verl_core.config.engine import ModelConfig
-    from verl_core.testing.checks import CheckSkipped
+    from verl_core.testing.context import CheckSkipped
     from verl_core.testing.rollout_checks import ROLLOUT_CHECKS, RolloutContext
 
     try:

@@ -187,7 +187,8 @@ def _rank_main(rank: Rank, job: ConformanceJob) -> None:
 def _run_checks(rank: int, job: ConformanceJob, store: Any) -> None:
     import torch.distributed as dist
 
-    from verl_core.testing.checks import CHECKS, CheckSkipped, RankContext
+    from verl_core.testing.checks import CHECKS
+    from verl_core.testing.context import CheckSkipped, RankContext
     from verl_core.testing.tiny import ModelDirs, save_tiny_models
 
     workdir = Path(job.workdir)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import sys
 
 import pytest
 from fixtures import public_api
@@ -63,6 +64,7 @@ def test_a_removed_public_name_fails_with_the_fix(recorded, monkeypatch) -> None
 
     monkeypatch.setattr(engine, "__all__", [name for name in engine.__all__ if name != "build_engine"])
     monkeypatch.delitem(engine._EXPORTS, "build_engine")
+    monkeypatch.delattr(importlib.import_module("verl_core.engine.factory"), "build_engine")
     problems = problems_now(recorded)
     assert "verl_core.engine:build_engine: removed" in problems
     assert "verl_core.engine.factory:build_engine: removed" in problems
@@ -120,6 +122,7 @@ def test_an_optional_parameter_on_an_overridable_method_fails(recorded, monkeypa
 def test_removing_a_deprecated_alias_before_its_release_fails(recorded, monkeypatch) -> None:
     public_api.import_everything()
     monkeypatch.delitem(DEPRECATIONS, "verl_core.engine.distributed")
+    monkeypatch.setitem(sys.modules, "verl_core.engine.distributed", None)  # as if its file were gone
     problems = problems_now(recorded)
     assert (
         "verl_core.engine.distributed:barrier: removed before its announced removal in 0.4.0" in problems

@@ -46,7 +46,7 @@ _EXPORTS = {
     "reference_steps": "verl_core.testing.reference",
     "scheduled_lr": "verl_core.testing.reference",
     "response_logits": "verl_core.testing.reference",
-    "save_rollout_model": "verl_core.testing.rollout_checks",
+    "save_rollout_model": "verl_core.testing.rollout_context",
     # running distributed tests
     "spawn": "verl_core.testing.spawn",
     "Rank": "verl_core.testing.spawn",

@@ -23,8 +23,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -46,35 +45,25 @@ from verl_core.engine import (
     ForwardBackwardResult,
     LossFn,
     all_reduce_sum,
-    atomic_checkpoint,
     forward_options,
-    load_checkpoint_file,
     load_hf_model,
     log_probs_and_entropy,
     lr_multiplier,
-    move_optimizer_state,
-    open_checkpoint,
-    reading_checkpoint,
-    rng_state,
-    save_hf_model_from_params,
-    set_rng_state,
     validate_optim_config,
 )
-from verl_core.engine.seed import RNG_FILE
 from verl_core.errors import ConfigError
+from verl_megatron.checkpoints import BACKEND, Checkpoints
 from verl_megatron.config import MegatronConfig, check_layout
 from verl_megatron.hf_config import megatron_model_config
+from verl_megatron.offload import Offload, inner_optimizers
 from verl_megatron.vocab_parallel import vocab_parallel_log_probs_and_entropy
+from verl_megatron.weight_exchange import WeightExchange
 from verl_megatron.weights import Heads, TensorMap, hf_order, padded_vocab_size, tensor_maps
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-BACKEND = "megatron"
 #: Checkpoint layout (inside the directory ``atomic_checkpoint`` publishes): one ``dist_checkpointing``
-#: directory for model and optimiser, the engine's own state, and each rank's RNG states.
-DIST_CHECKPOINT_DIR = "dist_checkpoint"
-ENGINE_FILE = "engine_state.pt"  # the LR schedule's position, whether the optimiser state was saved
 #: ``decoder.layers.{local index}.`` in a chunk's parameter names.
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -83,7 +72,7 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-class MegatronEngine(BaseEngine):
+class MegatronEngine(WeightExchange, Offload, Checkpoints, BaseEngine):
     """megatron-core ``GPTModel`` with TP, PP and DP (gloo on CPU with ``cpu_bridge``, NCCL on GPU)."""
 
     options_class = MegatronConfig
@@ -287,63 +276,6 @@ class MegatronEngine(BaseEngine):
             return 30
         return max(1, math.ceil(seconds / 60))
 
-    def _global_parameter_names(self) -> dict[str, torch.nn.Parameter]:
-        """This rank's parameters under the names ``tensor_maps`` uses (global layer indices)."""
-        from verl_megatron.model import global_layer_index
-
-        params = {}
-        for chunk in self.chunks:
-            for name, param in chunk.named_parameters():
-                local = _LAYER.match(name)
-                if local is not None:
-                    index = global_layer_index(chunk, int(local.group(1)))
-                    name = f"decoder.layers.{index}.{name[local.end() :]}"
-                params[name] = param
-        return params
-
-    def _pipeline_ranks_of_stages(self) -> dict[str | int, int]:
-        """For each ``TensorMap.stage``: the pipeline rank whose chunks hold it."""
-        mine = {m.stage for m in self._maps if m.megatron_name in self._params}
-        state = self._parallel_state()
-        gathered: list[Any] = [None] * self.pp_size
-        dist.all_gather_object(
-            gathered, sorted(mine, key=str), group=state.get_pipeline_model_parallel_group()
-        )
-        stages = {}
-        for pp_rank, held in enumerate(gathered):
-            for stage in held:
-                stages.setdefault(stage, pp_rank)  # a tied head also sits on the last stage: the first wins
-        return stages
-
-    @torch.no_grad()
-    def _load_hf_state(self, hf_state: dict[str, torch.Tensor]) -> None:
-        """Copy every Hugging Face tensor into this rank's shard of its megatron-core parameter."""
-        state = self._parallel_state()
-        tp_rank = state.get_tensor_model_parallel_rank()
-        loaded = set()
-        for tensor_map in self._maps:
-            if tensor_map.megatron_name in loaded:
-                continue  # a tied lm_head: the embedding it is
-            target = self._params.get(tensor_map.megatron_name)
-            if target is None:
-                continue  # another pipeline stage holds it
-            shard = tensor_map.to_megatron(
-                [hf_state[n] for n in tensor_map.hf_names], tp_rank, self.tp_size, self._heads
-            )
-            target.copy_(shard)
-            loaded.add(tensor_map.megatron_name)
-        # With tied embeddings on several stages the last one keeps its own copy of the embedding as
-        # the head (megatron-core keeps the two in sync through their gradients).
-        if "output_layer.weight" in self._params and "output_layer.weight" not in loaded:
-            embedding = next(m for m in self._maps if m.megatron_name == "embedding.word_embeddings.weight")
-            self._params["output_layer.weight"].copy_(
-                embedding.to_megatron([hf_state[embedding.hf_names[0]]], tp_rank, self.tp_size, self._heads)
-            )
-            loaded.add("output_layer.weight")
-        unloaded = sorted(set(self._params) - loaded)
-        if unloaded:
-            raise RuntimeError(f"megatron-core parameters without a Hugging Face tensor: {unloaded}")
-
     def _wrap(self, config) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -390,40 +322,6 @@ class MegatronEngine(BaseEngine):
     def set_model_mode(self, train: bool) -> None:
         for chunk in self._initialized():
             chunk.train(train)
-
-    @torch.no_grad()
-    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
-        """Offload to the CPU (``"cpu"``) or reload onto the compute device. megatron-core's DDP keeps
-        parameters and gradients in flat buffers that every parameter (and bucket) views, so the
-        buffers' storage is emptied and refilled in place (``_park``): the views stay valid."""
-        self._initialized()
-        offload = torch.device(device).type == "cpu"
-        if self.device.type == "cpu":
-            return  # everything lives on the CPU already
-        buffered: set[int] = set()
-        for chunk in self.model:
-            for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
-                if model and buffer.param_data is not None:
-                    _park(buffer.param_data, offload)
-                    buffered.update(id(p) for p in buffer.params)
-                if grad:
-                    _park(buffer.grad_data, offload)
-        if model:
-            for chunk in self.chunks:
-                for param in chunk.parameters():
-                    if id(param) not in buffered:
-                        _park(param, offload)
-                for buffer in chunk.buffers():
-                    _park(buffer, offload)
-        if optimizer:
-            model_params = {id(p) for chunk in self.chunks for p in chunk.parameters()}
-            for inner in _inner_optimizers(self.optimizer):
-                move_optimizer_state(inner, "cpu" if offload else self.device)
-                for group in inner.param_groups:  # fp32 main copies of bf16/fp16 or sharded parameters
-                    for param in group["params"]:
-                        if id(param) not in model_params:
-                            _park(param, offload)
-            self._optimizer_device = torch.device("cpu") if offload else self.device
 
     # -- compute ---------------------------------------------------------------------------------
 
@@ -568,140 +466,13 @@ class MegatronEngine(BaseEngine):
 
     def get_lr(self) -> float:
         self._initialized()
-        return float(_inner_optimizers(self.optimizer)[0].param_groups[0]["lr"])
+        return float(inner_optimizers(self.optimizer)[0].param_groups[0]["lr"])
 
     def _apply_lr(self) -> None:
         lr = self.config.optim.lr * lr_multiplier(self.schedule_steps, self.config.optim)
-        for inner in _inner_optimizers(self.optimizer):
+        for inner in inner_optimizers(self.optimizer):
             for group in inner.param_groups:
                 group["lr"] = lr
-
-    # -- weights ---------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight, whole, under its Hugging Face name, in Hugging Face order: gathered over the
-        TP ranks on the stage that holds it, then broadcast to the other stages. A collective: every
-        rank iterates to the end."""
-        self._initialized()
-        state = self._parallel_state()
-        tp_group = state.get_tensor_model_parallel_group()
-        pp_group = state.get_pipeline_model_parallel_group()
-        pp_rank = state.get_pipeline_model_parallel_rank()
-        joined: tuple[TensorMap | None, list[torch.Tensor]] = (None, [])
-        for (name, tensor_map, index), meta in zip(self._export_order, self._export_shapes, strict=True):
-            owner = self._stage_of[tensor_map.stage]
-            if pp_rank == owner:
-                if joined[0] is not tensor_map:
-                    joined = (tensor_map, self._join(tensor_map, tp_group))
-                tensor = joined[1][index]
-            else:
-                tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-            if self.pp_size > 1:
-                dist.broadcast(tensor, src=dist.get_global_rank(pp_group, owner), group=pp_group)
-            yield name, tensor
-
-    def _join(self, tensor_map: TensorMap, tp_group) -> list[torch.Tensor]:
-        local = self._params[tensor_map.megatron_name].detach()
-        if tensor_map.split == "replicated" or self.tp_size == 1:
-            return tensor_map.to_hf([local] * self.tp_size, self._heads)
-        shards = [torch.empty_like(local) for _ in range(self.tp_size)]
-        dist.all_gather(shards, local.contiguous(), group=tp_group)
-        return tensor_map.to_hf(shards, self._heads)
-
-    def save_hf_model(self, path: str) -> None:
-        self._initialized()
-        save_hf_model_from_params(
-            self.hf_module,
-            self.get_per_tensor_param(),
-            path,
-            rank=dist.get_rank(),
-            group=dist.group.WORLD,
-            tokenizer_source=self.config.model.path,
-        )
-
-    # -- checkpoints -----------------------------------------------------------------------------
-
-    def save_checkpoint(self, path: str, global_step: int = 0) -> None:
-        from megatron.core import dist_checkpointing
-
-        self._initialized()
-        rank = dist.get_rank()
-        # Before the first step the optimiser has no state, and megatron-core would fill it with zero
-        # moments and no step count to save it, which the next real step cannot use.
-        with_optimizer = self._optimizer_has_state()
-        with atomic_checkpoint(
-            path, global_step=global_step, backend=BACKEND, group=dist.group.WORLD
-        ) as staging:
-            directory = staging / DIST_CHECKPOINT_DIR
-            if rank == 0:
-                directory.mkdir()
-            dist.barrier()
-            dist_checkpointing.save(self._sharded_state_dict(with_optimizer, loading=False), str(directory))
-            if rank == 0:
-                torch.save(
-                    {"schedule_steps": self.schedule_steps, "optimizer": with_optimizer},
-                    staging / ENGINE_FILE,
-                )
-            torch.save(self._rng_state(), staging / RNG_FILE.format(rank=rank))
-
-    def load_checkpoint(self, path: str) -> int:
-        """Restore a checkpoint saved at any TP/PP/DP layout of the same model."""
-        from megatron.core import dist_checkpointing
-
-        self._initialized()
-        directory, info = open_checkpoint(path, backend=BACKEND)
-        saved = load_checkpoint_file(directory, ENGINE_FILE)
-        with reading_checkpoint(directory, self.config.model.path):
-            state = dist_checkpointing.load(
-                self._sharded_state_dict(saved["optimizer"], loading=True),
-                str(directory / DIST_CHECKPOINT_DIR),
-            )
-            for index, chunk in enumerate(self.chunks):
-                chunk.load_state_dict(state[_model_key(index, len(self.chunks))], strict=True)
-            inner_optimizers = _inner_optimizers(self.optimizer)
-            if saved["optimizer"]:
-                self.optimizer.load_state_dict(state["optimizer"])
-                for inner in inner_optimizers:
-                    move_optimizer_state(inner, self._optimizer_device)
-            else:  # saved before the first step: so is this engine now
-                for inner in inner_optimizers:
-                    inner.state.clear()
-        self.schedule_steps = int(saved["schedule_steps"])
-        self._apply_lr()
-        rng_file = directory / RNG_FILE.format(rank=dist.get_rank())
-        if rng_file.is_file():  # resuming on more ranks than were saved: the extra ranks keep theirs
-            self._set_rng_state(load_checkpoint_file(directory, rng_file.name))
-        return info.global_step
-
-    def _sharded_state_dict(self, with_optimizer: bool, loading: bool) -> dict[str, Any]:
-        """Model chunks (and optimiser) as megatron-core sharded tensors: global shapes and each rank's
-        piece, so that another layout loads them. Loading needs a fresh one (and initialises the
-        optimiser state it loads into)."""
-        model = {
-            _model_key(index, len(self.chunks)): chunk.sharded_state_dict()
-            for index, chunk in enumerate(self.chunks)
-        }
-        state: dict[str, Any] = dict(model)
-        if with_optimizer:
-            state["optimizer"] = self.optimizer.sharded_state_dict(
-                model, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
-            )
-        return state
-
-    def _optimizer_has_state(self) -> bool:
-        return any(inner.state for inner in _inner_optimizers(self.optimizer))
-
-    def _rng_state(self) -> dict[str, Any]:
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-        return {**rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-
-    def _set_rng_state(self, state: dict[str, Any]) -> None:
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-        set_rng_state(state)
-        get_cuda_rng_tracker().set_states(state["tracker"])
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -715,32 +486,9 @@ class MegatronEngine(BaseEngine):
         return self.chunks
 
 
-def _model_key(index: int, chunks: int) -> str:
-    return "model" if chunks == 1 else f"model{index}"
-
-
-def _inner_optimizers(optimizer) -> list[torch.optim.Optimizer]:
-    """The ``torch.optim`` optimisers under megatron-core's (chained) optimiser: what steps."""
-    return [inner.optimizer for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
-
-
 def _attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """megatron-core's ``[b, 1, s, s]`` mask (True: not attended) from the batch's ``[b, s]`` one:
     causal, and no real token attends padding."""
     length = attention_mask.shape[-1]
     causal = torch.ones(length, length, dtype=torch.bool, device=attention_mask.device).triu(1)
     return causal[None, None] | ~attention_mask.bool()[:, None, None, :]
-
-
-def _park(tensor: torch.Tensor, offload: bool) -> None:
-    """Move ``tensor``'s content to a CPU copy and free its device storage (``offload``), or bring it
-    back into the same storage: every view of it (parameters into DDP buffers) stays valid."""
-    storage = tensor.untyped_storage()
-    if offload and storage.size() > 0:
-        tensor._verl_offloaded = tensor.detach().to("cpu", copy=True)
-        tensor._verl_storage_bytes = storage.size()
-        storage.resize_(0)
-    elif not offload and storage.size() == 0 and hasattr(tensor, "_verl_offloaded"):
-        storage.resize_(tensor._verl_storage_bytes)
-        tensor.copy_(tensor._verl_offloaded)
-        del tensor._verl_offloaded

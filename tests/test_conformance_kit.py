@@ -188,7 +188,7 @@ class CrossingPackingEngine(DDPEngine):
     one sees the ones before it), while positions still restart per sequence."""
 
     def forward_backward_batch(self, batch, loss_fn, forward_only):
-        from verl_core.engine import hf
+        from verl_core.engine import hf_forward as hf
 
         original = hf.pack_sequences
 
@@ -214,7 +214,7 @@ class LastChunkDroppingEngine(DDPEngine):
     """Computes log-probs chunk by chunk but forgets the tokens after the last whole chunk (zeros)."""
 
     def forward_backward_batch(self, batch, loss_fn, forward_only):
-        from verl_core.engine import hf
+        from verl_core.engine import hf_forward as hf
 
         original = hf.chunked_log_probs_and_entropy
 

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, CohereConfig
 from verl_core.config.engine import MicroBatchConfig
 from verl_core.config.validators import InvalidValue
 from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE
-from verl_core.engine import hf as hf_module
+from verl_core.engine import hf_forward as hf_module
 from verl_core.engine import logprob as logprob_module
 from verl_core.engine.hf import ENTROPY, LOG_PROBS, forward_micro_batch
 from verl_core.engine.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy

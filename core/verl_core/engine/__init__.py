@@ -1,8 +1,10 @@
 """The engine contract and the toolkit every backend reuses; docs/engine.md documents each name.
 
-The contract: ``BaseEngine`` (``base``), ``build_engine`` (``factory``). The toolkit: ``HFEngine``
-(``hf_engine``: everything a Hugging Face + ``torch.optim`` engine shares), ``hf`` (load a model for
-a role, run one micro-batch, export), ``loop`` (the micro-batch loop), ``logprob``, ``optim`` (AdamW,
+The contract: ``BaseEngine`` (``base``), ``build_engine`` (``factory``), ``Topology`` (``topology``).
+The toolkit: ``HFEngine`` (``hf_engine``: everything a Hugging Face + ``torch.optim`` engine shares),
+``hf`` (load a model for a role), ``hf_forward`` (one micro-batch of the batch contract through it),
+``hf_export`` (its Hugging Face export), ``packing`` and ``varlen`` (padding-free micro-batches),
+``loop`` (the micro-batch loop), ``logprob``, ``optim`` (AdamW,
 the LR schedule, clipping, ``TorchOptimizerSteps``), ``checkpoint`` (atomic directories, reading them
 back with named errors), ``seed`` (RNG state), ``device`` (moving modules), and
 ``verl_core.distributed`` (collectives over an optional group).
@@ -26,14 +28,14 @@ _EXPORTS = {
     "HFEngine": "verl_core.engine.hf_engine",
     "load_hf_model": "verl_core.engine.hf",
     "check_model_dir": "verl_core.engine.hf",
-    "forward_micro_batch": "verl_core.engine.hf",
+    "forward_micro_batch": "verl_core.engine.hf_forward",
     "pack_sequences": "verl_core.engine.packing",
-    "export_hf_model": "verl_core.engine.hf",
-    "save_hf_model_from_params": "verl_core.engine.hf",
-    "LOG_PROBS": "verl_core.engine.hf",
-    "ENTROPY": "verl_core.engine.hf",
+    "export_hf_model": "verl_core.engine.hf_export",
+    "save_hf_model_from_params": "verl_core.engine.hf_export",
+    "LOG_PROBS": "verl_core.engine.hf_forward",
+    "ENTROPY": "verl_core.engine.hf_forward",
     "DTYPES": "verl_core.engine.hf",
-    "PLAIN_HEAD_MODEL_TYPES": "verl_core.engine.hf",
+    "PLAIN_HEAD_MODEL_TYPES": "verl_core.engine.hf_forward",
     "run_micro_batches": "verl_core.engine.loop",
     "log_probs_from_logits": "verl_core.engine.logprob",
     "entropy_from_logits": "verl_core.engine.logprob",

@@ -12,7 +12,6 @@ and the exported weights on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -39,7 +38,7 @@ from verl_core.testing.context import (
     infer,
     train_step,
 )
-from verl_core.testing.report import Comparison
+from verl_core.testing.report import Check, Comparison
 from verl_core.testing.tiny import BATCH_SIZE
 
 __all__ = [
@@ -181,15 +180,6 @@ def check_lr_schedule(ctx: RankContext) -> list[Comparison]:
         metrics = train_step(engine, ctx.local_batch(name))
         comparisons += compare_step(ctx, "lr_schedule", metrics, exported(engine), step, f"step {number}: ")
     return comparisons
-
-
-@attrs.frozen
-class Check:
-    """A named check with a one-line statement of what it proves (docs/conformance.md has more)."""
-
-    name: str
-    run: Callable[[RankContext], list[Comparison]]
-    proves: str
 
 
 CHECKS: dict[str, Check] = {

@@ -9,8 +9,8 @@ ranks can hand it to the process that asked.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Literal
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -345,3 +345,14 @@ class ConformanceReport:
             lines.append(f"run error: {self.error}")
         lines += [o.describe() for o in self.outcomes.values() if o.status in ("failed", "error")]
         return "\n".join(lines)
+
+
+@attrs.frozen
+class Check:
+    """A named check of a kit: ``run(context) -> comparisons`` (a ``RankContext`` for the engine kit, a
+    ``RolloutContext`` for the rollout kit), with a one-line statement of what it proves
+    (docs/conformance.md has more)."""
+
+    name: str
+    run: Callable[[Any], list[Comparison]]
+    proves: str

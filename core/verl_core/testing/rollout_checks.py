@@ -18,16 +18,15 @@ length, so that a padding bug fails one check, named for it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
-import attrs
 import torch
 
 from verl_core.data.batch import RESPONSE_MASK, RESPONSES
 from verl_core.rollout.base import ROLLOUT_LOG_PROBS
 from verl_core.testing import reference
 from verl_core.testing.context import BASE_OPTIM
-from verl_core.testing.report import BITWISE, Comparison, compare_tensors
+from verl_core.testing.report import BITWISE, Check, Comparison, compare_tensors
 from verl_core.testing.rollout_context import (
     GREEDY_TIE_TOLERANCE,
     LOG_PROB_TOLERANCE,
@@ -358,13 +357,8 @@ def _weight_stream(model: torch.nn.Module, device: str) -> Iterator[tuple[str, t
         yield name, tensor.detach().to(device, copy=True)
 
 
-@attrs.frozen
-class RolloutCheck:
-    """A named rollout check with a one-line statement of what it proves (docs/conformance.md has more)."""
-
-    name: str
-    run: Callable[[RolloutContext], list[Comparison]]
-    proves: str
+#: The rollout kit's checks are ``Check`` s of a ``RolloutContext``.
+RolloutCheck = Check
 
 
 ROLLOUT_CHECKS: dict[str, RolloutCheck] = {

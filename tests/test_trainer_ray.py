@@ -3,6 +3,7 @@ fsdp backend sharded over them; an unreachable cluster address is an error withi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -85,9 +86,14 @@ def test_an_unreachable_ray_address_is_an_error_within_seconds(demo, tmp_path) -
     assert time.monotonic() - started < 15
 
 
-def test_a_killed_worker_ends_the_run_naming_the_role_and_rank_and_the_checkpoint_stays(
+def test_a_stopped_then_a_killed_worker_end_the_run_naming_the_role_and_rank_and_the_checkpoint_stays(
     demo, tmp_path, ray_session
 ) -> None:
+    """A rank stopped with SIGSTOP is reported within trainer.worker_timeout_s (it answers no liveness
+    check); a rank whose process died, at once. Either way the last checkpoint stays the resume point."""
+    import os
+    import signal
+
     from verl_core.trainer import checkpoints
 
     overrides = run_overrides(
@@ -98,18 +104,32 @@ def test_a_killed_worker_ends_the_run_naming_the_role_and_rank_and_the_checkpoin
             "trainer.world_size": 2,
             "trainer.total_training_steps": 1,
             "trainer.save_freq": 1,
+            "trainer.worker_timeout_s": 5,
         },
     )
     trainer = RLTrainer.from_config(load_config([], overrides), show_progress=False)
+    pid, _ = trainer.actor.group.processes[1]
     try:
         trainer.fit()  # step 1, checkpoint 1
-        ray_session.kill(trainer.actor.group.actors[1], no_restart=True)
+        os.kill(pid, signal.SIGSTOP)
         started = time.monotonic()
-        with pytest.raises(WorkerError, match=r"actor rank 1's process died") as caught:
+        stopped = (
+            r"actor rank 1 \(pid \d+ on [\d.]+\) has not answered for \d+ s \(trainer\.worker_timeout_s=5\)"
+        )
+        with pytest.raises(WorkerError, match=stopped) as caught:
+            trainer.train_step(2)
+        assert time.monotonic() - started < 5 + 10
+        assert "the last checkpoint is intact" in str(caught.value)
+
+        os.kill(pid, signal.SIGKILL)  # the kernel's OOM killer, say
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match=r"actor rank 1's process \(pid \d+ on [\d.]+\) died") as caught:
             trainer.train_step(2)
         assert time.monotonic() - started < 60
         assert "the last checkpoint is intact" in str(caught.value)
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         trainer.shutdown()
     assert [step for step, _ in checkpoints.complete_checkpoints(tmp_path / "checkpoints")] == [1]
 

@@ -87,6 +87,7 @@ def worker_group(config: RunConfig, role: str, make_worker: Any, device: str = "
         world_size=config.trainer.world_size,
         address=config.trainer.ray_address,
         device=device_type(device, f"{role}.engine.device"),
+        liveness_timeout_s=config.trainer.worker_timeout_s,
     )
 
 

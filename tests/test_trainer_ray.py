@@ -3,8 +3,10 @@ fsdp backend sharded over them; an unreachable cluster address is an error withi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -84,9 +86,13 @@ def test_an_unreachable_ray_address_is_an_error_within_seconds(monkeypatch) -> N
     assert attempts == [(("127.0.0.1", 1), ray_group.CONNECT_TIMEOUT_S)]
 
 
-def test_a_killed_worker_ends_the_run_naming_the_role_and_rank_and_the_checkpoint_stays(
+def test_a_stopped_then_a_killed_worker_end_the_run_naming_the_role_and_rank_and_the_checkpoint_stays(
     demo, tmp_path, ray_cluster
 ) -> None:
+    """A rank stopped with SIGSTOP is reported within trainer.worker_timeout_s (it answers no liveness
+    check); a rank whose process died, at once. Either way the last checkpoint stays the resume point."""
+    import signal
+
     from ray.exceptions import RayActorError
 
     from verl_core.trainer import checkpoints
@@ -99,18 +105,32 @@ def test_a_killed_worker_ends_the_run_naming_the_role_and_rank_and_the_checkpoin
             "trainer.world_size": 2,
             "trainer.total_training_steps": 1,
             "trainer.save_freq": 1,
+            "trainer.worker_timeout_s": 5,
         },
     )
     trainer = RLTrainer.from_config(load_config([], overrides), show_progress=False)
+    pid, _ = trainer.actor.group.processes[1]
     try:
         trainer.fit()  # step 1, checkpoint 1
-        ray_cluster.kill(trainer.actor.group.actors[1], no_restart=True)
-        with pytest.raises(WorkerError, match=r"actor rank 1's process died") as caught:
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        stopped = (
+            r"actor rank 1 \(pid \d+ on [\d.]+\) has not answered for \d+ s \(trainer\.worker_timeout_s=5\)"
+        )
+        with pytest.raises(WorkerError, match=stopped) as caught:
+            trainer.train_step(2)
+        assert time.monotonic() - started < 5 + 10
+        assert "the last checkpoint is intact" in str(caught.value)
+
+        os.kill(pid, signal.SIGKILL)  # the kernel's OOM killer, say
+        with pytest.raises(WorkerError, match=r"actor rank 1's process \(pid \d+ on [\d.]+\) died") as caught:
             trainer.train_step(2)
         # Ray's report of the dead actor, not rank 0's collective timing out waiting for it.
         assert isinstance(caught.value.__cause__, RayActorError)
         assert "the last checkpoint is intact" in str(caught.value)
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         trainer.shutdown()
     assert [step for step, _ in checkpoints.complete_checkpoints(tmp_path / "checkpoints")] == [1]
 
@@ -133,31 +153,55 @@ def stop_processes_mentioning(marker: str) -> None:
             continue
 
 
-def test_two_steps_on_a_ray_cluster_started_with_ray_start(demo, tmp_path) -> None:
-    """A real head on loopback (`ray start --head`); the run joins it through trainer.ray_address."""
+def test_two_steps_on_a_ray_cluster_started_with_ray_start_in_another_folder_with_relative_paths(
+    demo, tmp_path
+) -> None:
+    """A real head on loopback (`ray start --head`, run in one folder); the run joins it through
+    trainer.ray_address from another folder, every path relative to that one. Its ranks run in the
+    head's folder: the model loads, both checkpoints are whole (the ranks' shards beside the trainer's
+    state) and the export lands in the run's folder, nothing in the head's."""
     import os
     import shutil
     import socket
     import subprocess
     import sys
+    import tempfile
     from pathlib import Path
 
+    from verl_core.engine.checkpoint import MARKER_FILE
+    from verl_core.trainer import checkpoints
     from verl_core.workers.ray_group import RAY_ENVIRONMENT
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    import tempfile
-
+    head_dir, work = tmp_path / "cluster" / "head", tmp_path / "work"  # at other depths: "../x" differs
+    head_dir.mkdir(parents=True)
+    work.mkdir()
     ray_tmp = tempfile.mkdtemp(prefix="vr", dir="/tmp")  # Unix socket paths must stay under 108 bytes
     env = {**os.environ, **RAY_ENVIRONMENT, "VERL_TEST_RAY_HEAD": ray_tmp}
     ray = str(Path(sys.executable).with_name("ray"))
     head = [ray, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2"]
     head += ["--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={ray_tmp}"]
-    subprocess.run(head, env=env, check=True, capture_output=True, timeout=120)
+    subprocess.run(head, env=env, check=True, capture_output=True, timeout=120, cwd=head_dir)
+    relative = {
+        "actor.engine.model.path": os.path.relpath(demo.model, work),
+        "data.train_files": f"[{os.path.relpath(demo.train, work)}]",
+        "data.val_files": f"[{os.path.relpath(demo.val, work)}]",
+        "trainer.run_dir": "run",
+        "trainer.checkpoint_dir": "checkpoints",
+    }
     try:
         overrides = run_overrides(
-            demo, tmp_path, **{"trainer.workers": "ray", "trainer.ray_address": f"127.0.0.1:{port}"}
+            demo,
+            tmp_path,
+            **{
+                "trainer.workers": "ray",
+                "trainer.ray_address": f"127.0.0.1:{port}",
+                "trainer.save_freq": 1,
+                "trainer.save_hf_model": "true",
+                **relative,
+            },
         )
         result = subprocess.run(
             [sys.executable, "-m", "verl_core", "train", *overrides],
@@ -165,6 +209,7 @@ def test_two_steps_on_a_ray_cluster_started_with_ray_start(demo, tmp_path) -> No
             capture_output=True,
             text=True,
             timeout=300,
+            cwd=work,
         )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert "Connecting to existing Ray cluster" in result.stderr or f"127.0.0.1:{port}" in result.stderr
@@ -172,10 +217,13 @@ def test_two_steps_on_a_ray_cluster_started_with_ray_start(demo, tmp_path) -> No
         # Not `ray stop`: it stops every Ray cluster on the machine, this test process's own included.
         stop_processes_mentioning(ray_tmp)
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    steps = [
-        json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    ]
+    steps = [json.loads(line)["step"] for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
+    saved = checkpoints.complete_checkpoints(work / "checkpoints")
+    assert [step for step, _ in saved] == [1, 2]
+    assert all((folder / "actor" / MARKER_FILE).is_file() for _, folder in saved)
+    assert (work / "run" / "hf_model" / "config.json").is_file()
+    assert sorted(path.name for path in head_dir.iterdir()) == []
 
 
 def test_responses_that_do_not_split_over_the_ranks_are_refused_before_the_first_step(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Sequence
@@ -347,48 +348,151 @@ def _load_run_config(args: argparse.Namespace, rl_rules: bool = True, quiet: boo
 
 # -- verl-core train, verl-core sft ------------------------------------------------------------------
 
+#: Exit codes of a run stopped by Ctrl-C (SIGINT) or SIGTERM: 128 + the signal, as shells report them.
+EXIT_INTERRUPTED, EXIT_TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM
+
 
 def _run_train(args: argparse.Namespace) -> int:
-    from verl_core.trainer.rl import RLTrainer
+    def trainer_class() -> Any:
+        from verl_core.trainer.rl import RLTrainer
 
-    return _run_trainer(args, RLTrainer)
+        return RLTrainer
+
+    return _run_trainer(args, trainer_class, rl_rules=True)
 
 
 def _run_sft(args: argparse.Namespace) -> int:
-    from verl_core.trainer.sft import SFTTrainer
+    def trainer_class() -> Any:
+        from verl_core.trainer.sft import SFTTrainer
 
-    return _run_trainer(args, SFTTrainer)
+        return SFTTrainer
+
+    return _run_trainer(args, trainer_class, rl_rules=False)
 
 
-def _run_trainer(args: argparse.Namespace, trainer_class: Any) -> int:
+def _run_trainer(args: argparse.Namespace, import_trainer: Any, rl_rules: bool) -> int:
     """Load the config, build the trainer (exit 2 on bad input, 0 if nothing is left to train), fit
-    (exit 1 if the run fails), plot."""
+    (exit 1 if the run fails), plot.
+
+    Ctrl-C (SIGINT) and SIGTERM stop the run at any point: the workers are released, one line says
+    where the run stopped and how to resume it, and the exit code is 130 or 143 (no traceback)."""
     from verl_core.errors import NothingToTrain
-    from verl_core.trainer.build import quiet_progress_bars
 
-    config = _load_run_config(args, rl_rules=trainer_class.uses_rl_rules)
-    if config is None:
-        return 2
-    quiet_progress_bars()
-    try:
-        trainer = trainer_class.from_config(config)
-    except NothingToTrain as finished:
-        print(f"verl-core: {finished}", file=sys.stderr)
+    with _StopSignals() as stop:
+        trainer, config = None, None
+        try:
+            config = _load_run_config(args, rl_rules=rl_rules)
+            if config is None:
+                return 2
+            try:
+                trainer_class = import_trainer()
+                from verl_core.trainer.build import quiet_progress_bars
+
+                quiet_progress_bars()
+                trainer = trainer_class.from_config(config)
+            except NothingToTrain as finished:
+                print(f"verl-core: {finished}", file=sys.stderr)
+                return 0
+            except VerlCoreError as error:  # bad input found while building: a dataset, a model folder
+                if stop.code:
+                    raise _StopRequested from None  # a rank that died of the same signal, say
+                print(f"error: {error}", file=sys.stderr)
+                return 2
+            try:
+                trainer.fit()
+            except VerlCoreError as error:
+                if stop.code:
+                    raise _StopRequested from None
+                print(f"error: {error}", file=sys.stderr)
+                return 1
+        except (KeyboardInterrupt, _StopRequested):
+            stop.ignore_further()  # releasing the workers takes a few seconds: let it finish
+            _release(trainer)
+            print(
+                f"verl-core: {_stopped_message(config, trainer, stop.code or EXIT_INTERRUPTED)}",
+                file=sys.stderr,
+            )
+            return stop.code or EXIT_INTERRUPTED
+        finally:
+            if trainer is not None:
+                trainer.shutdown()
+        from verl_core.trainer.plot import plot_run
+
+        print(f"verl-core:   curves: {plot_run(config.trainer.run_dir)}", file=sys.stderr)
         return 0
-    except VerlCoreError as error:  # bad input found while building: a dataset, a model folder
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    try:
-        trainer.fit()
-    except VerlCoreError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    finally:
-        trainer.shutdown()
-    from verl_core.trainer.plot import plot_run
 
-    print(f"verl-core:   curves: {plot_run(config.trainer.run_dir)}", file=sys.stderr)
-    return 0
+
+class _StopRequested(BaseException):
+    """Raised in the main thread when SIGTERM arrives (as Python raises KeyboardInterrupt for SIGINT);
+    a ``BaseException``, so that no ``except Exception`` on the way swallows it."""
+
+
+class _StopSignals:
+    """Within the block, SIGINT raises ``KeyboardInterrupt`` and SIGTERM ``_StopRequested`` in the main
+    thread, and ``code`` records the exit code the first one asks for; the handlers are restored after."""
+
+    SIGNALS = {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}
+
+    def __init__(self) -> None:
+        self.code = 0
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        for number in self.SIGNALS:
+            if signal.getsignal(number) != signal.SIG_IGN:  # ignored by whoever started us: stays so
+                self.previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def _handle(self, number: int, frame: Any) -> None:
+        if not self.code:
+            self.code = self.SIGNALS[number]
+        raise KeyboardInterrupt if number == signal.SIGINT else _StopRequested
+
+    def ignore_further(self) -> None:
+        for number in self.previous:
+            signal.signal(number, signal.SIG_IGN)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+
+
+def _release(trainer: Any) -> None:
+    """Stop the run's workers now: the trainer's groups, and any Ray actors of a trainer still being
+    built (disconnecting the driver ends them; a local cluster stops with it)."""
+    if trainer is not None:
+        trainer.shutdown()
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+def _stopped_message(config: Any, trainer: Any, code: int) -> str:
+    """``interrupted during step 13 of 150; the last checkpoint is runs/x/global_step_10: run the same
+    command to resume``, with the paths as the user gave them."""
+    what = "interrupted" if code == EXIT_INTERRUPTED else "stopped by SIGTERM"
+    if config is None:
+        return f"{what} while loading the configuration"
+    if trainer is None:
+        where = "while starting (before the first step)"
+    elif trainer.global_step >= trainer.total_steps:
+        where = f"after the last step ({trainer.global_step})"
+    else:
+        where = f"during step {trainer.global_step + 1} of {trainer.total_steps}"
+    from verl_core.trainer.checkpoints import complete_checkpoints
+
+    settings = config.trainer
+    saved = complete_checkpoints(settings.checkpoint_dir)
+    if not saved:
+        if not settings.save_freq:
+            return f"{what} {where}; no checkpoint is saved (trainer.save_freq is 0): the same command starts over"
+        return f"{what} {where}; no checkpoint yet: the same command starts over"
+    step, folder = saved[-1]
+    path = os.path.join(settings.checkpoint_dir, folder.name)
+    resume = "run the same command to resume"
+    if settings.resume_mode != "auto":
+        resume = "run the same command with trainer.resume_mode=auto to resume"
+    return f"{what} {where}; the last checkpoint is {path} (step {step}): {resume}"
 
 
 # -- verl-core plot -------------------------------------------------------------------------------

@@ -64,6 +64,10 @@ class ConfigError(VerlCoreError, ValueError):
         lines += [f"  {path}: {message}" if path else f"  {message}" for path, message in self.errors]
         super().__init__("\n".join(lines))
 
+    def __reduce__(self) -> tuple[type, tuple[list[tuple[str, str]], str | None]]:
+        # Pickled as its problems, not its message: a rank's ConfigError reaches the driver whole.
+        return type(self), (self.errors, self.source)
+
 
 class PluginWarning(UserWarning):
     """Something about the installed plugins that works but is probably not what was meant."""

@@ -166,6 +166,9 @@ class TrainerConfig:
     val_samples_logged: int = attrs.field(default=8, validator=non_negative)
     #: Write a Hugging Face export of the policy to ``run_dir/hf_model`` at the end of the run.
     save_hf_model: bool = True
+    #: Under Ray, a rank that does not answer a liveness check for this many seconds (a stopped or
+    #: hung process) stops the run, naming its role and rank; 0 waits for ever.
+    worker_timeout_s: float = attrs.field(default=30.0, validator=non_negative)
 
     def check(self) -> Iterator[tuple[str, str]]:
         if self.resume_mode == "resume_path" and not self.resume_from_path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from verl_core.config.engine import ModelConfig
+from verl_core.config.paths import absolute_paths
 from verl_core.config.run import RunConfig
 from verl_core.errors import ConfigError
 from verl_core.workers.group import InProcessWorkerGroup, WorkerGroup
@@ -86,6 +87,7 @@ def worker_group(config: RunConfig, role: str, make_worker: Any, device: str = "
         world_size=config.trainer.world_size,
         address=config.trainer.ray_address,
         device=device_type(device, f"{role}.engine.device"),
+        liveness_timeout_s=config.trainer.worker_timeout_s,
     )
 
 
@@ -102,10 +104,13 @@ def build_roles(config: RunConfig, registry: Any = None) -> tuple[Actor, Critic 
 
 
 class WorkerMaker:
-    """A picklable ``make_worker`` for a worker class (Ray ships it to each rank's process)."""
+    """A picklable ``make_worker`` for a worker class (Ray ships it to each rank's process).
+
+    It holds ``config`` with every path made absolute here, on the driver: a rank's process may run
+    in another folder (on a cluster started with ``ray start``, the folder where that ran)."""
 
     def __init__(self, worker_class: type, config: RunConfig, registry: Any):
-        self.worker_class, self.config = worker_class, config
+        self.worker_class, self.config = worker_class, absolute_paths(config)
         # A registry is a process's own discovery: Ray ranks discover the installed plugins again.
         self.registry = registry if config.trainer.workers == "in_process" else None
 

@@ -1,19 +1,28 @@
 """``RayWorkerGroup``: one Ray actor per engine rank, forming a ``torch.distributed`` group.
 
-With no address ``ray.init()`` starts a local cluster (kept on loopback, without the dashboard); with
-``trainer.ray_address`` the group joins an existing cluster, checked reachable first so that a wrong
-address is an error within seconds, not a hang. Rank 0 picks the rendezvous address and port on its
-own node; every rank then joins the group (gloo on CPU, NCCL on GPU) with a bounded timeout and
-builds its worker. Calls wait for every rank and surface the first failure at once: an exception in
-a rank becomes a ``WorkerError`` naming the role and the rank (the original chained), and a rank
-whose process died too.
+With no address ``ray.init()`` starts a local cluster (kept on loopback, without the dashboard and
+without Ray's API-server process); with ``trainer.ray_address`` the group joins an existing cluster,
+checked reachable first so that a wrong address is an error within seconds, not a hang. Rank 0
+opens the rendezvous store's socket on its node's address only (loopback on a local cluster) and
+every rank joins the group (gloo on CPU, NCCL on GPU) with a bounded timeout and builds its worker.
+
+Calls wait for every rank and surface the first failure at once: an exception in a rank becomes a
+``WorkerError`` naming the role and the rank (the original chained), and so does a rank whose
+process died, or one that stopped answering: while the driver waits, it asks each busy rank whether
+it is alive (a call served by a thread of its own, so a rank busy computing still answers), and a
+rank that has not answered for ``liveness_timeout_s`` (a stopped or hung process) ends the wait.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
+import signal
 import socket
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -31,10 +40,22 @@ COLLECTIVE_TIMEOUT_S = 120
 CONNECT_TIMEOUT_S = 10.0
 #: The object store of a local cluster (the default would take 30% of the machine's memory).
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
+#: The default of ``trainer.worker_timeout_s``: a rank that does not answer a liveness check for
+#: this long is reported (Ray's own health check declares a node dead after about as long).
+LIVENESS_TIMEOUT_S = 30.0
+#: How often the driver checks on the ranks it waits for, and the most often it asks one.
+POLL_S = 1.0
+PING_INTERVAL_S = 5.0
+#: The concurrency group that answers liveness checks beside the rank's work.
+LIVENESS_GROUP = "liveness"
 
 
 def ensure_ray(address: str | None) -> Any:
-    """Ray, initialised: a local cluster, or the one at ``address`` (``host:port`` or ``ray://...``)."""
+    """Ray, initialised: a local cluster, or the one at ``address`` (``host:port`` or ``ray://...``).
+
+    The caller's SIGTERM handler survives ``ray.init`` (which installs its own, and a native one
+    that dumps a stack trace and aborts), so that a stop request ends the run the caller's way.
+    """
     for name, value in RAY_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
     import ray
@@ -43,16 +64,57 @@ def ensure_ray(address: str | None) -> Any:
         _check_reachable(address)
     if ray.is_initialized():
         return ray
-    if address is None:
-        ray.init(
-            include_dashboard=False,
-            object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-            _temp_dir="/tmp/verl_ray",
-            log_to_driver=True,
-        )
-        return ray
-    ray.init(address=address, log_to_driver=True)
+    with _keep_sigterm_handler():
+        if address is None:
+            with _without_api_server(ray):
+                ray.init(
+                    include_dashboard=False,
+                    object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                    _temp_dir="/tmp/verl_ray",
+                    log_to_driver=True,
+                )
+        else:
+            ray.init(address=address, log_to_driver=True)
     return ray
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        # Re-installing it also replaces the native handler Ray's core worker put underneath.
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _without_api_server(ray: Any) -> Iterator[None]:
+    """``ray.init`` without the API-server process, which a local cluster started without the
+    dashboard does not use: with the dashboard off it only hosts Ray's usage-stats module, which
+    queries the cloud metadata addresses (169.254.169.254, metadata.google.internal) even with usage
+    stats disabled, and ``ray.init`` waits seconds for it to come up. Ray treats an API server that
+    failed to start as absent (no dashboard URL); the job and state APIs are served by the
+    dashboard, which is off anyway."""
+    services = getattr(ray, "_private", None) and getattr(ray._private, "services", None)
+    original = getattr(services, "start_api_server", None)
+    if original is None:  # another Ray: start it as Ray does
+        yield
+        return
+
+    def start_api_server(include_dashboard: Any, *args: Any, **kwargs: Any) -> Any:
+        if include_dashboard is False:
+            return None, None
+        return original(include_dashboard, *args, **kwargs)
+
+    services.start_api_server = start_api_server
+    try:
+        yield
+    finally:
+        services.start_api_server = original
 
 
 def _check_reachable(address: str) -> None:
@@ -71,10 +133,28 @@ def _check_reachable(address: str) -> None:
         ) from None
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _loopback_interface() -> str | None:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in names if name.startswith("lo")), None)
+
+
+def _keep_collectives_on(host: str) -> None:
+    """On a loopback rendezvous (a local cluster), gloo's and NCCL's own sockets on loopback too:
+    by default they bind to the address the machine's hostname resolves to, or to the first network
+    interface. Variables the user set are left alone."""
+    if not is_loopback(host):
+        return
+    interface = _loopback_interface()
+    if interface is not None:
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ.setdefault(name, interface)
 
 
 class _Rank:
@@ -83,24 +163,49 @@ class _Rank:
     def __init__(self, role: str, rank: int, world_size: int):
         self.role, self.rank, self.world_size = role, rank, world_size
         self.worker: Any = None
+        self._listener: socket.socket | None = None
+        # Stopping is the driver's business: a SIGTERM (a whole process group stopped by a scheduler)
+        # ends the rank quietly, without the stack dump of Ray's native handler reaching the console.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
-    def rendezvous_address(self) -> tuple[str, int]:
+    def start(self) -> tuple[int, str, int | None]:
+        """This rank's process id and node address; rank 0 also opens the rendezvous store's socket
+        on that address alone (not on every interface, as the store would) and returns its port."""
         import ray
 
         host = ray.util.get_node_ip_address()
-        return host, _free_port(host)
+        port = None
+        if self.rank == 0:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self._listener = socket.create_server((host, 0), family=family, backlog=128)
+            port = self._listener.getsockname()[1]
+        return os.getpid(), host, port
+
+    def alive(self) -> int:
+        """Answered by the liveness thread while the rank works: its process id."""
+        return os.getpid()
 
     def setup(self, host: str, port: int, make_worker: Callable[[], Any], device: str) -> None:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)  # ranks share the machine's cores: oversubscription is ~100x slower
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        if self.rank == 0:
+            listen_fd = self._listener.detach()  # the store owns the socket from here on
+            self._listener = None
+            store = dist.TCPStore(
+                host, port, self.world_size, is_master=True, timeout=timeout, master_listen_fd=listen_fd
+            )
+        else:
+            store = dist.TCPStore(host, port, self.world_size, is_master=False, timeout=timeout)
+        _keep_collectives_on(host)
         dist.init_process_group(
             "nccl" if device.startswith("cuda") else "gloo",
-            init_method=f"tcp://{host}:{port}",
+            store=store,
             rank=self.rank,
             world_size=self.world_size,
-            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            timeout=timeout,
         )
         self.worker = make_worker()
 
@@ -109,7 +214,10 @@ class _Rank:
 
 
 class RayWorkerGroup(WorkerGroup):
-    """``world_size`` Ray actors of ``role``, each building its worker with ``make_worker()``."""
+    """``world_size`` Ray actors of ``role``, each building its worker with ``make_worker()``.
+
+    ``liveness_timeout_s`` bounds how long a rank may go without answering a liveness check while the
+    driver waits for it (``trainer.worker_timeout_s``); 0 waits as long as the rank takes."""
 
     def __init__(
         self,
@@ -118,14 +226,24 @@ class RayWorkerGroup(WorkerGroup):
         world_size: int,
         address: str | None = None,
         device: str = "cpu",
+        liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
     ):
         ray = ensure_ray(address)
         self.role, self.world_size = role, world_size
+        self.liveness_timeout_s = liveness_timeout_s
         # One GPU per rank on CUDA: Ray then makes that GPU the rank's only visible one (cuda:0).
         gpus = 1 if device.startswith("cuda") else 0
-        remote = ray.remote(num_cpus=0, num_gpus=gpus, max_restarts=0)(_Rank)
+        remote = ray.remote(
+            num_cpus=0, num_gpus=gpus, max_restarts=0, concurrency_groups={LIVENESS_GROUP: 1}
+        )(_Rank)
         self.actors = [remote.remote(role, rank, world_size) for rank in range(world_size)]
-        host, port = self._wait([self.actors[0].rendezvous_address.remote()])[0]
+        #: Each rank's process id and node address, once it started.
+        self.processes: list[tuple[int, str]] = []
+        self._pings: dict[int, tuple[Any, float]] = {}  # rank: (its unanswered liveness check, when asked)
+        self._last_ping: dict[int, float] = {}
+        started = self._wait([actor.start.remote() for actor in self.actors], check_liveness=False)
+        self.processes = [(pid, host) for pid, host, _ in started]
+        _, host, port = started[0]
         self._wait([actor.setup.remote(host, port, make_worker, device) for actor in self.actors])
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -140,28 +258,72 @@ class RayWorkerGroup(WorkerGroup):
         import ray
 
         for actor in self.actors:
-            ray.kill(actor)
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(actor, no_restart=True)
         self.actors = []
 
-    def _wait(self, futures: list[Any]) -> list[Any]:
-        """Every future's value, in order; the first rank to fail raises at once (the others may be
-        waiting for it in a collective)."""
+    def describe(self, rank: int, process: bool = False) -> str:
+        """``actor rank 1 (pid 4242 on 127.0.0.1)``, what a message names a rank by; with ``process``,
+        ``actor rank 1's process (pid 4242 on 127.0.0.1)``."""
+        where = (
+            f" (pid {self.processes[rank][0]} on {self.processes[rank][1]})"
+            if rank < len(self.processes)
+            else ""
+        )
+        return f"{self.role} rank {rank}'s process{where}" if process else f"{self.role} rank {rank}{where}"
+
+    def _wait(self, futures: list[Any], check_liveness: bool = True) -> list[Any]:
+        """Every future's value, in order (one per rank); the first rank to fail raises at once (the
+        others may be waiting for it in a collective), as does a rank that stopped answering."""
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import RayActorError, RayTaskError, UnserializableException
 
         rank_of = {future: rank for rank, future in enumerate(futures)}
         pending = list(futures)
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
             for future in ready:
                 try:
                     ray.get(future)
                 except RayTaskError as error:
                     cause = error.cause if isinstance(error.cause, BaseException) else error
-                    raise WorkerError(f"{self.role} rank {rank_of[future]} failed: {cause}") from cause
+                    raise WorkerError(f"{self.describe(rank_of[future])} failed: {cause}") from cause
+                except UnserializableException as error:  # an exception that cannot be unpickled here
+                    raise WorkerError(f"{self.describe(rank_of[future])} failed: {error}") from None
                 except RayActorError as error:
                     raise WorkerError(
-                        f"{self.role} rank {rank_of[future]}'s process died ({type(error).__name__}); the run "
+                        f"{self.describe(rank_of[future], process=True)} died ({type(error).__name__}); the run "
                         "stops here, the last checkpoint is intact: fix the cause and run again to resume"
                     ) from error
+            if pending and check_liveness and self.liveness_timeout_s > 0:
+                self._check_liveness(sorted(rank_of[future] for future in pending))
         return ray.get(futures)
+
+    def _check_liveness(self, ranks: list[int]) -> None:
+        """Ask each rank in ``ranks`` whether it is alive (at most every ``PING_INTERVAL_S``); raise
+        when one has left a question unanswered for ``liveness_timeout_s``."""
+        import ray
+
+        now = time.monotonic()
+        outstanding = [self._pings[rank][0] for rank in ranks if rank in self._pings]
+        answered = (
+            set(ray.wait(outstanding, num_returns=len(outstanding), timeout=0)[0]) if outstanding else set()
+        )
+        interval = min(PING_INTERVAL_S, self.liveness_timeout_s / 4)
+        for rank in ranks:
+            if rank in self._pings:
+                future, asked = self._pings[rank]
+                if future in answered:  # a dead rank's failed answer counts too: its call reports it
+                    del self._pings[rank]
+                elif now - asked >= self.liveness_timeout_s:
+                    raise WorkerError(
+                        f"{self.describe(rank)} has not answered for {now - asked:.0f} s "
+                        f"(trainer.worker_timeout_s={self.liveness_timeout_s:g}): its process is stopped or "
+                        "hung (a SIGSTOP or Ctrl-Z, a debugger, swapping, native code holding Python's "
+                        "lock); the run stops here, the last checkpoint is intact. If the rank is only slow "
+                        "to answer, raise trainer.worker_timeout_s (0 waits for ever)"
+                    )
+            if rank not in self._pings and now - self._last_ping.get(rank, -interval) >= interval:
+                actor = self.actors[rank]
+                self._pings[rank] = (actor.alive.options(concurrency_group=LIVENESS_GROUP).remote(), now)
+                self._last_ping[rank] = now

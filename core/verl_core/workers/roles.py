@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from tensordict import TensorDict
 
+from verl_core.config.paths import absolute_path
 from verl_core.data.batch import concat_batches
 from verl_core.engine.topology import Topology, check_topologies
 from verl_core.errors import ConfigError
@@ -49,11 +50,13 @@ class Role:
         # Losses and gradient norms are global: every output rank reports the same numbers.
         return gather_outputs(results, self.topologies)[0]
 
+    # Paths go to the ranks absolute: a rank's process may run in another folder (verl_core.config.paths).
+
     def save_checkpoint(self, path: str, global_step: int) -> None:
-        self.group.call("save_checkpoint", path, global_step)
+        self.group.call("save_checkpoint", absolute_path(path), global_step)
 
     def load_checkpoint(self, path: str) -> int:
-        (step, *others) = self.group.call("load_checkpoint", path)
+        (step, *others) = self.group.call("load_checkpoint", absolute_path(path))
         return step
 
     def shutdown(self) -> None:
@@ -101,7 +104,7 @@ class Actor(Role):
         return next(result for result in self.group.call("weights") if result is not None)
 
     def save_hf_model(self, path: str) -> None:
-        self.group.call("save_hf_model", path)
+        self.group.call("save_hf_model", absolute_path(path))
 
 
 class Critic(Role):

@@ -17,6 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_core.algos.aggregation import TOKEN_MEAN, agg_loss
+from verl_core.config.paths import absolute_path
 from verl_core.config.run import RunConfig
 from verl_core.data.batch import RESPONSE_MASK, get_global_counts
 from verl_core.engine import COMPUTE_ENTROPY, LOG_PROBS, TEMPERATURE, build_engine
@@ -105,4 +106,4 @@ class SFT(Role):
         return gather_outputs(results, self.topologies)[0]  # a global loss: every output rank has it
 
     def save_hf_model(self, path: str) -> None:
-        self.group.call("save_hf_model", path)
+        self.group.call("save_hf_model", absolute_path(path))

@@ -102,7 +102,7 @@ def test_every_path_field_of_the_config_classes_is_listed() -> None:
 
 def test_the_config_a_worker_gets_is_absolute_and_travels(tmp_path, monkeypatch) -> None:
     from verl_core.trainer.build import WorkerMaker
-    from verl_core.workers.workers import ActorWorker
+    from verl_core.workers.ranks import ActorWorker
 
     monkeypatch.chdir(tmp_path)
     maker = pickle.loads(pickle.dumps(WorkerMaker(ActorWorker, relative_config(), registry=None)))

@@ -21,7 +21,7 @@ CORE = Path(verl_core.__file__).parent
 
 #: Each top-level module or package of verl_core, by layer (lowest first).
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "deprecation", "descriptors", "lazy"),
+    ("errors", "deprecation", "descriptors", "lazy", "seeds"),
     ("hookspecs", "__init__"),  # the package re-exports the descriptors and ``hookimpl``
     ("plugins",),
     ("config",),

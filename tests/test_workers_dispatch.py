@@ -12,6 +12,7 @@ from verl_core.engine.topology import Topology, check_topologies
 from verl_core.errors import ConfigError
 from verl_core.workers.dispatch import (
     balanced_shards,
+    check_divisible,
     gather_outputs,
     restore_order,
     shards_for_ranks,
@@ -38,6 +39,22 @@ def test_a_batch_that_does_not_split_over_the_dp_ranks_names_the_key() -> None:
         ConfigError, match=r"data\.train_batch_size: 9 sequences cannot be split evenly over 2"
     ):
         balanced_shards([3] * 9, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(0, 64), min_size=1, max_size=4), dp_size=st.integers(1, 8))
+def test_every_count_that_does_not_divide_is_named_and_no_other(counts, dp_size) -> None:
+    keys = {f"section.key_{i}": (count, f"{count} things") for i, count in enumerate(counts)}
+    refused = [key for key, (count, _) in keys.items() if count % dp_size != 0]  # the rule written out
+    if not refused:
+        check_divisible(keys, dp_size)
+        return
+    with pytest.raises(ConfigError) as raised:
+        check_divisible(keys, dp_size)
+    assert [key for key, _ in raised.value.errors] == refused
+    for key, message in raised.value.errors:
+        assert message.startswith(f"{keys[key][1]} cannot be split evenly over {dp_size} data-parallel ranks")
+        assert message.endswith(f"make it a multiple of {dp_size}")
 
 
 def test_outputs_come_from_one_output_rank_per_dp_rank() -> None:

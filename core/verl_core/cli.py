@@ -20,22 +20,15 @@ from typing import Any
 from verl_core import __version__
 from verl_core.errors import PluginWarning, VerlCoreError
 from verl_core.hookspecs import ENGINE_BACKENDS
-from verl_core.plugins import Entry, PluginInfo, Registry, get_registry, messages
-
-#: Keys of one ``verl-core plugins --json`` row, in table order.
-BACKEND_COLUMNS = (
-    "plugin",
-    "backend",
-    "distribution",
-    "version",
-    "devices",
-    "roles",
-    "api_version",
-    "status",
-    "error",
+from verl_core.plugins import get_registry, messages
+from verl_core.plugins.table import (
+    BACKEND_COLUMNS,
+    ENTRY_COLUMNS,
+    backend_rows,
+    entry_rows,
+    format_table,
+    problem_notes,
 )
-#: Keys of one row of the other registries (``--all``).
-ENTRY_COLUMNS = ("name", "plugin", "distribution", "version", "status", "description", "error")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -178,99 +171,6 @@ def _run_plugins(args: argparse.Namespace) -> int:
         )
     print("\n\n".join(blocks))
     return 0
-
-
-def _problems(registry: Registry, plugin: str) -> list[Entry]:
-    """The entries of ``plugin`` outside the engine backends that cannot be used as they stand."""
-    return [
-        entry
-        for kind in registry.kinds
-        if kind != ENGINE_BACKENDS
-        for entry in registry.entries(kind)
-        if entry.plugin == plugin and entry.status not in ("ok", "overridden")
-    ]
-
-
-def problem_notes(registry: Registry) -> list[str]:
-    """One line per estimator, loss, rollout or reward that conflicts, is incompatible or broken: the
-    default listing shows only engine backends, and these must not look fine there."""
-    return [
-        f"  {entry.kind} '{entry.name}' from {entry.provider}: {entry.status}: {entry.error}"
-        for info in registry.plugins
-        for entry in _problems(registry, info.name)
-    ]
-
-
-def backend_rows(registry: Registry) -> list[dict[str, Any]]:
-    """One row per engine backend; a plugin without backends (or broken, or blocked) gets one row
-    with an empty backend, so that every plugin appears. That row's status is the plugin's own, or
-    the worst of what it provides besides backends (a policy loss clashing with a built-in shows
-    as ``conflict``, not ``ok``)."""
-    backends = registry.entries(ENGINE_BACKENDS)
-    rows = []
-    for info in registry.plugins:
-        provided = [entry for entry in backends if entry.plugin == info.name] if info.status == "ok" else []
-        rows += [_backend_row(info, entry) for entry in provided] or [
-            _plugin_row(info, _problems(registry, info.name))
-        ]
-    return rows
-
-
-def _plugin_row(info: PluginInfo, problems: list[Entry]) -> dict[str, Any]:
-    row = _backend_row(info, None)
-    if info.status == "ok" and problems:
-        row["status"] = problems[0].status
-        row["error"] = " ".join(f"{entry.kind} '{entry.name}': {entry.error}" for entry in problems)
-    return row
-
-
-def _backend_row(info: PluginInfo, entry: Entry | None) -> dict[str, Any]:
-    backend = entry.descriptor if entry else None
-    return {
-        "plugin": info.name,
-        "backend": backend.name if backend else None,
-        "distribution": info.distribution,
-        "version": info.version,
-        "devices": list(backend.devices) if backend else [],
-        "roles": list(backend.roles) if backend else [],
-        "api_version": backend.api_version if backend else None,
-        "status": entry.status if entry else info.status,
-        "error": entry.error if entry else info.error,
-    }
-
-
-def entry_rows(registry: Registry, kind: str) -> list[dict[str, Any]]:
-    """One row per descriptor of ``kind`` (``--all``)."""
-    return [
-        {
-            "name": entry.name,
-            "plugin": entry.plugin,
-            "distribution": entry.distribution,
-            "version": entry.version,
-            "status": entry.status,
-            "description": entry.descriptor.description,
-            "error": entry.error,
-        }
-        for entry in registry.entries(kind)
-    ]
-
-
-def format_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
-    """A plain-text table: a header, then one line per row; lists are comma-joined, None is empty."""
-
-    def cell(value: Any) -> str:
-        if value is None:
-            return ""
-        if isinstance(value, list):
-            return ",".join(map(str, value))
-        return " ".join(str(value).split())  # one line per row, even for multi-line errors
-
-    lines = [list(columns)] + [[cell(row[column]) for column in columns] for row in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(columns))]
-    return "\n".join(
-        "  ".join(text.ljust(width) for text, width in zip(line, widths, strict=True)).rstrip()
-        for line in lines
-    )
 
 
 # -- verl-core config -----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ _EXPORTS = {
     "masked_whiten": _ADVANTAGE,
     # policy losses
     "PolicyLossFn": _POLICY_LOSS,
-    "compute_actor_loss": _POLICY_LOSS,
+    "compute_actor_loss": "verl_core.algos.actor_loss",
     "compute_policy_loss_vanilla": _POLICY_LOSS,
     "compute_policy_loss_gspo": _POLICY_LOSS,
     "compute_policy_loss_gpg": _POLICY_LOSS,

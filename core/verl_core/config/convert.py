@@ -20,19 +20,16 @@ from cattrs.gen import make_dict_unstructure_fn
 
 from verl_core.config import names
 from verl_core.config.engine import EngineConfig
+from verl_core.config.problems import Errors, errors_of, join_path, unknown_key_message
 from verl_core.config.run import RolloutConfig
 from verl_core.config.strict import (
     Draft,
-    Errors,
     converter,
     current_path,
-    errors_of,
     finish_section,
     ignored_options,
-    join_path,
     section_mapping,
     structure_fields,
-    unknown_key_message,
     unvalidated_copy,
     warn_ignored,
 )

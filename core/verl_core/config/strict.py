@@ -7,7 +7,7 @@ looks up the names of registered components (``verl_core.config.names``) and run
 rules; every failure becomes a ``(path, message)`` pair. A section with errors does not hide the
 others' rules: it is handed on holding the fields whose values are valid (the others unset), so that
 rules whose inputs are there still run and rules that read an unset field are skipped
-(``verl_core.config.validators.each_rule``). Options the run will ignore (a class's ``ignored()``)
+(``verl_core.config.validators.each_rule``). Each error's path and wording: ``problems``. Options the run will ignore (a class's ``ignored()``)
 are recorded in ``ignored_options``. Nothing here knows verl-core's sections: ``convert`` adds those.
 """
 
@@ -24,92 +24,28 @@ from typing import Any, Literal, TypeVar
 
 import attrs
 import cattrs
-from cattrs.errors import (
-    AttributeValidationNote,
-    BaseValidationError,
-    ForbiddenExtraKeysError,
-    IterableValidationNote,
-)
 
 from verl_core.config import names
+from verl_core.config.problems import (
+    MISSING_KEY,
+    Errors,
+    errors_of,
+    join_path,
+    mismatch,
+    short_repr,
+    unknown_key_message,
+)
 from verl_core.config.validators import InvalidValue, is_unstructured
 from verl_core.errors import ConfigError
 
 T = TypeVar("T")
-Errors = list[tuple[str, str]]
 
-MISSING_KEY = "required key is missing: set it in the YAML file or with an override"
 
 converter = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
 #: Full dotted path of the value being structured (errors get theirs on the way up; warnings here).
 current_path: contextvars.ContextVar[str] = contextvars.ContextVar("path", default="")
 #: ``(full.path, message)`` of each option the run will ignore, for the ``structure`` call in progress.
 ignored_options: contextvars.ContextVar[Errors | None] = contextvars.ContextVar("warnings", default=None)
-
-
-def unknown_key_message(key: str, allowed: list[str]) -> str:
-    """``unknown key (did you mean lr?)``, or the allowed keys when none is close."""
-    match = difflib.get_close_matches(key, allowed, n=1)
-    if match:
-        return f"unknown key (did you mean {match[0]}?)"
-    return f"unknown key (allowed keys: {', '.join(allowed)})"
-
-
-# -- errors ---------------------------------------------------------------------------------------
-
-
-def join_path(prefix: str, step: str) -> str:
-    """``actor`` + ``engine`` -> ``actor.engine``; ``data.train_files`` + ``[1]`` -> ``data.train_files[1]``."""
-    if not step:
-        return prefix
-    if not prefix:
-        return step
-    return prefix + step if step.startswith("[") else f"{prefix}.{step}"
-
-
-def _step_of(exc: BaseException) -> str | None:
-    """The field name or ``[index]`` / key that cattrs noted on ``exc`` while collecting it."""
-    for note in getattr(exc, "__notes__", ()):
-        if isinstance(note, AttributeValidationNote):
-            return note.name
-        if isinstance(note, IterableValidationNote):
-            return f"[{note.index}]" if isinstance(note.index, int) else str(note.index)
-    return None
-
-
-def errors_of(exc: BaseException, path: str) -> Errors:
-    """Flatten what structuring raised into ``(full.path, message)`` pairs, in field order."""
-    if isinstance(exc, ConfigError):
-        return [(join_path(path, sub_path), message) for sub_path, message in exc.errors]
-    if isinstance(exc, ForbiddenExtraKeysError):
-        allowed = [field.name for field in attrs.fields(exc.cl) if field.init]
-        return [
-            (join_path(path, key), unknown_key_message(key, allowed))
-            for key in sorted(map(str, exc.extra_fields))
-        ]
-    if isinstance(exc, BaseValidationError):
-        errors: Errors = []
-        for sub in exc.exceptions:
-            step = _step_of(sub)
-            sub_path = join_path(path, step) if step is not None else path
-            if isinstance(sub, KeyError) and step is not None and sub.args == (step,):
-                errors.append((sub_path, MISSING_KEY))
-            else:
-                errors += errors_of(sub, sub_path)
-        return errors
-    if isinstance(exc, (TypeError, ValueError)):
-        return [(path, str(exc))]
-    return [(path, f"{type(exc).__name__}: {exc}")]
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def mismatch(expected: str, value: Any) -> TypeError:
-    hint = " (quote it to make it a string)" if expected == "str" and isinstance(value, (int, float)) else ""
-    return TypeError(f"expected {expected}, got {_short(value)}{hint}")
 
 
 # -- scalars: no coercion -------------------------------------------------------------------------
@@ -136,7 +72,7 @@ def _structure_float(value: Any, _: type) -> float:
             number = math.inf
         if math.isfinite(number):
             return number
-        raise ValueError(f"expected a finite float, got {_short(value)}")
+        raise ValueError(f"expected a finite float, got {short_repr(value)}")
     raise mismatch("float", value)
 
 
@@ -153,7 +89,7 @@ def _structure_literal(value: Any, literal: Any) -> Any:
     names = [option for option in allowed if isinstance(option, str)]
     match = difflib.get_close_matches(value, names, n=1) if isinstance(value, str) else []
     suggestion = f" (did you mean {match[0]!r}?)" if match else ""
-    raise ValueError(f"expected one of {', '.join(map(repr, allowed))}; got {_short(value)}{suggestion}")
+    raise ValueError(f"expected one of {', '.join(map(repr, allowed))}; got {short_repr(value)}{suggestion}")
 
 
 # -- containers -----------------------------------------------------------------------------------
@@ -201,7 +137,7 @@ def _structure_tuple(value: Any, tuple_type: Any) -> tuple[Any, ...]:
     if not item_types or item_types[-1] is Ellipsis:
         item_types = [item_types[0] if item_types else Any] * len(value)
     elif len(value) != len(item_types):
-        raise TypeError(f"expected a list of {len(item_types)} items, got {len(value)}: {_short(value)}")
+        raise TypeError(f"expected a list of {len(item_types)} items, got {len(value)}: {short_repr(value)}")
     return tuple(_structure_items(value, item_types))
 
 

@@ -25,7 +25,15 @@ _EXPORTS = {
     "RETURNS": _BATCH,
     "VALUES": _BATCH,
     "TOKEN_LEVEL_REWARDS": _BATCH,
+    "ROLLOUT_LOG_PROBS": _BATCH,
+    "SCORES": _BATCH,
+    "UID": _BATCH,
+    "TEMPERATURE": _BATCH,
+    "COMPUTE_ENTROPY": _BATCH,
     "GLOBAL_COUNTS": _BATCH,
+    # model outputs
+    "LOG_PROBS": _BATCH,
+    "ENTROPY": _BATCH,
     # global counts and batch helpers
     "GlobalCounts": _BATCH,
     "compute_global_counts": _BATCH,

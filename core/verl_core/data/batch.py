@@ -1,23 +1,32 @@
 """The batch contract: a ``tensordict.TensorDict`` with verl's key names, and its global counts.
 
+Every key of the contract is a constant of this module, the one vocabulary of batches that the
+trainer, the workers, the engines, the rollouts and the kits share (docs/engine.md has the table).
 Layout (B sequences, P prompt tokens left-padded, R response tokens right-padded, L = P + R):
 
-===================  ==========  ==================================================================
-key                  shape       meaning
-===================  ==========  ==================================================================
-``input_ids``        [B, L]      prompt followed by response
-``attention_mask``   [B, L]      1 for real tokens, 0 for padding
-``position_ids``     [B, L]      positions of real tokens (cumsum of the mask - 1)
-``responses``        [B, R]      the response tokens (the last R columns of ``input_ids``)
-``response_mask``    [B, R]      1 for response tokens that count in losses (0: padding, tool output)
-``old_log_probs``    [B, R]      log-probs of the behaviour policy (before the update)
-``ref_log_prob``     [B, R]      log-probs of the reference policy
-``advantages``       [B, R]
-``returns``          [B, R]
-``values``           [B, R]      critic values
-``token_level_rewards`` [B, R]
-``uid``              non-tensor  group id of each sample (GRPO-style groups)
-===================  ==========  ==================================================================
+=========================  ===================  ==========  ============================================
+constant                   key                  shape       meaning
+=========================  ===================  ==========  ============================================
+``INPUT_IDS``              ``input_ids``        [B, L]      prompt followed by response
+``ATTENTION_MASK``         ``attention_mask``   [B, L]      1 for real tokens, 0 for padding
+``POSITION_IDS``           ``position_ids``     [B, L]      positions of real tokens (cumsum of the mask - 1)
+``RESPONSES``              ``responses``        [B, R]      the response tokens (last R columns of ``input_ids``)
+``RESPONSE_MASK``          ``response_mask``    [B, R]      1 for tokens that count in losses (0: padding, tool output)
+``ROLLOUT_LOG_PROBS``      ``rollout_log_probs`` [B, R]     the rollout's log-probs of its sampled tokens
+``OLD_LOG_PROBS``          ``old_log_probs``    [B, R]      log-probs of the behaviour policy (before the update)
+``REF_LOG_PROB``           ``ref_log_prob``     [B, R]      log-probs of the reference policy
+``ADVANTAGES``             ``advantages``       [B, R]
+``RETURNS``                ``returns``          [B, R]
+``VALUES``                 ``values``           [B, R]      critic values (also a value engine's output)
+``TOKEN_LEVEL_REWARDS``    ``token_level_rewards`` [B, R]
+``SCORES``                 ``scores``           [B]         each response's score from the reward function
+``UID``                    ``uid``              [B]         group of each sample: its prompt's index in the step
+``TEMPERATURE``            ``temperature``      non-tensor  forward option: temperature of log-probs and entropy
+``COMPUTE_ENTROPY``        ``compute_entropy``  non-tensor  forward option: also return ``entropy``
+``GLOBAL_COUNTS``          ``global_counts``    non-tensor  the step's ``GlobalCounts``, for loss normalisation
+``LOG_PROBS``              ``log_probs``        [B, R]      model output: log-probs of the response tokens
+``ENTROPY``                ``entropy``          [B, R]      model output: entropy at the response tokens
+=========================  ===================  ==========  ============================================
 """
 
 from __future__ import annotations
@@ -40,6 +49,20 @@ ADVANTAGES = "advantages"
 RETURNS = "returns"
 VALUES = "values"
 TOKEN_LEVEL_REWARDS = "token_level_rewards"
+#: The rollout's per-token log-probs of the sampled tokens.
+ROLLOUT_LOG_PROBS = "rollout_log_probs"
+#: Each response's score from the reward function.
+SCORES = "scores"
+#: Each response's group: its prompt's index within the step (GRPO's groups).
+UID = "uid"
+
+#: Non-tensor keys of a batch that steer the forward pass (``engine.base.forward_options`` reads them).
+TEMPERATURE = "temperature"
+COMPUTE_ENTROPY = "compute_entropy"
+
+#: The output keys of a forward pass of the batch contract (with ``VALUES`` for a value head).
+LOG_PROBS = "log_probs"
+ENTROPY = "entropy"
 
 #: Non-tensor key under which engines attach the step's ``GlobalCounts`` to every micro-batch.
 GLOBAL_COUNTS = "global_counts"

@@ -6,7 +6,6 @@ epoch's first (verl trains zero steps there, verl issue 7401); ``sequential_batc
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +13,7 @@ import attrs
 
 from verl_core.data.dataset import FILTER_OVERLONG_KEY, PROMPT_LENGTH_KEY
 from verl_core.errors import DataError
+from verl_core.seeds import seeded_random
 
 BATCH_SIZE_KEY = "data.train_batch_size"
 #: Keys of ``EpochSampler.state_dict()``.
@@ -88,9 +88,7 @@ class EpochSampler:
             return self._order[1]
         order = list(range(self.num_rows))
         if self.shuffle:
-            # A string seed is hashed with SHA-512: stable across runs, platforms and Python versions
-            # (unlike hash()), and (1, 0) and (-1, 0) differ (an int seed would use its absolute value).
-            random.Random(f"verl_core.data.EpochSampler:{self.seed}:{epoch}").shuffle(order)
+            seeded_random("verl_core.data.EpochSampler", self.seed, epoch).shuffle(order)
         self._order = (epoch, tuple(order))
         return self._order[1]
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_core.config.engine import EngineConfig
+from verl_core.data.batch import COMPUTE_ENTROPY, TEMPERATURE
 from verl_core.engine.device import resolve_device
 from verl_core.errors import ConfigError
 
@@ -34,10 +35,6 @@ if TYPE_CHECKING:
 LossFn = Callable[
     ["dict[str, torch.Tensor]", TensorDict, "ProcessGroup | None"], "tuple[torch.Tensor, dict[str, Any]]"
 ]
-
-#: Non-tensor keys of a batch that steer the forward pass.
-TEMPERATURE = "temperature"
-COMPUTE_ENTROPY = "compute_entropy"
 
 
 def forward_options(batch: TensorDict) -> tuple[float, bool]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from tensordict import TensorDict
@@ -16,18 +15,19 @@ from transformers import (
 )
 from transformers.modeling_utils import slice_logits_to_keep
 
-from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES, VALUES
+from verl_core.data.batch import (
+    ATTENTION_MASK,
+    ENTROPY,
+    INPUT_IDS,
+    LOG_PROBS,
+    POSITION_IDS,
+    RESPONSES,
+    VALUES,
+)
 from verl_core.engine.base import forward_options
 from verl_core.engine.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
 from verl_core.engine.packing import pack_sequences, prompt_groups
 from verl_core.engine.varlen import packed_model_inputs, shares_prompts
-
-if TYPE_CHECKING:
-    pass
-
-#: The output keys of the forward pass of the batch contract (with ``VALUES`` for a value head).
-LOG_PROBS = "log_probs"
-ENTROPY = "entropy"
 
 
 def forward_micro_batch(

@@ -4,7 +4,8 @@
 builds one from given plugin modules or objects (tests). Discovery (``discovery``): core's internal
 plugin ``verl_core._builtin``, then every entry point of the group ``verl_core.plugins``, then the
 modules named in ``VERL_CORE_PLUGINS``, then plugin objects passed in. The environment switches live
-in ``switches``, the wording of every failure in ``messages``.
+in ``switches``, the wording of every failure in ``messages``, the rows ``verl-core plugins``
+prints in ``table``.
 
 Nothing here imports torch or a backend; plugin modules are expected to stay light too.
 """

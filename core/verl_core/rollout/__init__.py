@@ -12,7 +12,7 @@ _EXPORTS = {
     "BaseRollout": "verl_core.rollout.base",
     "RolloutError": "verl_core.rollout.base",
     "SamplingParams": "verl_core.rollout.base",
-    "ROLLOUT_LOG_PROBS": "verl_core.rollout.base",
+    "ROLLOUT_LOG_PROBS": "verl_core.data.batch",
     "HFRollout": "verl_core.rollout.hf",
     "HFRolloutConfig": "verl_core.rollout.config",
 }

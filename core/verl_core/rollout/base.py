@@ -19,10 +19,10 @@ import torch
 from tensordict import TensorDict
 
 from verl_core.config.engine import ModelConfig
-from verl_core.errors import VerlCoreError
 
-#: The batch key of the rollout's per-token log-probs of the sampled tokens.
-ROLLOUT_LOG_PROBS = "rollout_log_probs"
+# Its home is the batch vocabulary; still importable from here, where it was first defined.
+from verl_core.data.batch import ROLLOUT_LOG_PROBS as ROLLOUT_LOG_PROBS
+from verl_core.errors import VerlCoreError
 
 
 class RolloutError(VerlCoreError):

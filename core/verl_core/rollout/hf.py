@@ -22,10 +22,10 @@ import torch
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
 
-from verl_core.data.batch import concat_batches, join_prompts_and_responses, left_pad
+from verl_core.data.batch import ROLLOUT_LOG_PROBS, concat_batches, join_prompts_and_responses, left_pad
 from verl_core.engine.hf import DTYPES, check_model_dir
 from verl_core.plugins.messages import close_match
-from verl_core.rollout.base import ROLLOUT_LOG_PROBS, BaseRollout, RolloutError, SamplingParams
+from verl_core.rollout.base import BaseRollout, RolloutError, SamplingParams
 from verl_core.rollout.config import HFRolloutConfig
 from verl_core.rollout.decoder import decoder_for
 from verl_core.rollout.sampling import sample_next

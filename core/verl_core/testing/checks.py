@@ -18,6 +18,7 @@ import attrs
 import torch.distributed as dist
 
 from verl_core.config.engine import MicroBatchConfig
+from verl_core.data.batch import ENTROPY, LOG_PROBS, VALUES
 from verl_core.testing import state_checks
 from verl_core.testing.context import (
     BASE_MICRO_BATCH,
@@ -63,7 +64,7 @@ def check_log_probs(ctx: RankContext) -> list[Comparison]:
     outputs = infer(engine, ctx.local_batch("A"))
     if not engine.is_output_rank:
         return []
-    return compare_outputs(ctx, "log_probs", outputs, ("log_probs", "entropy"))
+    return compare_outputs(ctx, "log_probs", outputs, (LOG_PROBS, ENTROPY))
 
 
 def check_values(ctx: RankContext) -> list[Comparison]:
@@ -73,7 +74,7 @@ def check_values(ctx: RankContext) -> list[Comparison]:
     outputs = infer(engine, ctx.local_batch("A"))
     comparisons = []
     if engine.is_output_rank:
-        comparisons += compare_outputs(ctx, "values", outputs, ("values",), role="value")
+        comparisons += compare_outputs(ctx, "values", outputs, (VALUES,), role="value")
     # The critic trains too: its head must take gradients like the backbone.
     metrics = train_step(engine, ctx.local_batch("A"), role="value")
     return comparisons + compare_first_step(
@@ -139,7 +140,7 @@ def outputs_and_first_step(
     outputs = infer(engine, ctx.local_batch("A"))
     comparisons = []
     if engine.is_output_rank:
-        comparisons += compare_outputs(ctx, check, outputs, ("log_probs", "entropy"), prefix=prefix)
+        comparisons += compare_outputs(ctx, check, outputs, (LOG_PROBS, ENTROPY), prefix=prefix)
     metrics = train_step(engine, ctx.local_batch("A"))
     return comparisons + compare_first_step(ctx, check, metrics, exported(engine), prefix)
 

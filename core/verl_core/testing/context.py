@@ -21,7 +21,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_core.config.engine import EngineConfig, MicroBatchConfig, ModelConfig, OptimConfig
-from verl_core.engine.base import COMPUTE_ENTROPY, TEMPERATURE, BaseEngine
+from verl_core.data.batch import COMPUTE_ENTROPY, TEMPERATURE
+from verl_core.engine.base import BaseEngine
 from verl_core.engine.topology import Topology, check_topologies
 from verl_core.testing import reference
 from verl_core.testing.losses import TEMPERATURE as KIT_TEMPERATURE

@@ -14,7 +14,15 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from verl_core.data.batch import ADVANTAGES, RESPONSE_MASK, RETURNS, get_global_counts
+from verl_core.data.batch import (
+    ADVANTAGES,
+    ENTROPY,
+    LOG_PROBS,
+    RESPONSE_MASK,
+    RETURNS,
+    VALUES,
+    get_global_counts,
+)
 
 #: The sampling temperature of every log-prob and entropy computation in the kit (not 1, so that an
 #: engine that ignores the batch's ``temperature`` fails).
@@ -39,14 +47,12 @@ def policy_loss_fn(
     model_output: dict[str, torch.Tensor], micro_batch: TensorDict, dp_group: Any = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``LossFn`` for role ``lm``: token-mean of ``policy_token_loss`` over the global token count."""
-    if "entropy" not in model_output:
+    if ENTROPY not in model_output:
         raise KeyError(
             "the engine's model output has no 'entropy' although the batch sets compute_entropy=True: "
             "the forward pass must honour the batch's compute_entropy flag (with gradients)"
         )
-    token_loss = policy_token_loss(
-        model_output["log_probs"], model_output["entropy"], micro_batch[ADVANTAGES]
-    )
+    token_loss = policy_token_loss(model_output[LOG_PROBS], model_output[ENTROPY], micro_batch[ADVANTAGES])
     return _global_token_mean(token_loss, micro_batch)
 
 
@@ -54,7 +60,7 @@ def value_loss_fn(
     model_output: dict[str, torch.Tensor], micro_batch: TensorDict, dp_group: Any = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``LossFn`` for role ``value``: token-mean of ``value_token_loss`` over the global token count."""
-    return _global_token_mean(value_token_loss(model_output["values"], micro_batch[RETURNS]), micro_batch)
+    return _global_token_mean(value_token_loss(model_output[VALUES], micro_batch[RETURNS]), micro_batch)
 
 
 def _global_token_mean(

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from verl_core.config.engine import OptimConfig
+from verl_core.data.batch import ENTROPY, LOG_PROBS, VALUES
 from verl_core.testing.losses import policy_token_loss, value_token_loss
 from verl_core.testing.tiny import RESPONSE_LENGTH, Sample
 
@@ -43,11 +44,11 @@ def sample_outputs(
     logits = model(input_ids=sample.input_ids.unsqueeze(0)).logits[0]
     predicting = logits[prompt_length - 1 : prompt_length + response_length - 1]
     if role == "value":
-        return {"values": predicting[:, 0]}
+        return {VALUES: predicting[:, 0]}
     log_softmax = F.log_softmax(predicting / temperature, dim=-1)
     log_probs = log_softmax.gather(-1, sample.response.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1)
-    return {"log_probs": log_probs, "entropy": entropy}
+    return {LOG_PROBS: log_probs, ENTROPY: entropy}
 
 
 @torch.no_grad()
@@ -151,9 +152,9 @@ def reference_loss(
     for sample in samples:
         outputs = sample_outputs(model, sample, role, temperature)
         if role == "value":
-            token_loss = value_token_loss(outputs["values"], sample.returns)
+            token_loss = value_token_loss(outputs[VALUES], sample.returns)
         else:
-            token_loss = policy_token_loss(outputs["log_probs"], outputs["entropy"], sample.advantages)
+            token_loss = policy_token_loss(outputs[LOG_PROBS], outputs[ENTROPY], sample.advantages)
         total = total + (token_loss * sample.loss_mask).sum()
         num_tokens += int(sample.loss_mask.sum())
     return total / num_tokens

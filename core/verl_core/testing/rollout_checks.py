@@ -22,8 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from verl_core.data.batch import RESPONSE_MASK, RESPONSES
-from verl_core.rollout.base import ROLLOUT_LOG_PROBS
+from verl_core.data.batch import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
 from verl_core.testing import reference
 from verl_core.testing.context import BASE_OPTIM
 from verl_core.testing.report import BITWISE, Check, Comparison, compare_tensors

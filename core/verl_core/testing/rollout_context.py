@@ -12,8 +12,15 @@ import attrs
 import torch
 from tensordict import TensorDict
 
-from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
-from verl_core.rollout.base import ROLLOUT_LOG_PROBS, BaseRollout, SamplingParams
+from verl_core.data.batch import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    POSITION_IDS,
+    RESPONSE_MASK,
+    RESPONSES,
+    ROLLOUT_LOG_PROBS,
+)
+from verl_core.rollout.base import BaseRollout, SamplingParams
 from verl_core.testing import reference
 from verl_core.testing.report import Comparison, Tolerance, compare_tensors
 from verl_core.testing.tiny import PAD_TOKEN_ID, TinyModelSpec

@@ -8,8 +8,14 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
-from verl_core.rollout.base import ROLLOUT_LOG_PROBS
+from verl_core.data.batch import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    POSITION_IDS,
+    RESPONSE_MASK,
+    RESPONSES,
+    ROLLOUT_LOG_PROBS,
+)
 from verl_core.testing.report import Comparison
 from verl_core.testing.rollout_context import (
     EOS_TOKEN_IDS,

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_core.data.batch import ENTROPY, LOG_PROBS
 from verl_core.engine.base import BaseEngine
 from verl_core.engine.checkpoint import MARKER_FILE
 from verl_core.testing import reference
@@ -203,7 +204,7 @@ def check_hf_export(ctx: RankContext) -> list[Comparison]:
     # The export's own config decides its logits: a wrong rope_theta, norm epsilon or head count
     # shows here even when every tensor is right.
     from_export = reference.reference_outputs(loaded, ctx.share("A", ctx.dp_rank), "lm", KIT_TEMPERATURE)
-    for name in ("log_probs", "entropy"):
+    for name in (LOG_PROBS, ENTROPY):
         comparisons.append(
             compare_tensors(
                 "hf_export",
@@ -260,8 +261,8 @@ def check_offload(ctx: RankContext) -> list[Comparison]:
                 comparisons += compare_runs(
                     "offload",
                     f"{label}: {key}",
-                    results[key]["log_probs"],
-                    baseline[key]["log_probs"],
+                    results[key][LOG_PROBS],
+                    baseline[key][LOG_PROBS],
                     ctx.rank,
                     against,
                 )

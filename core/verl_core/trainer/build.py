@@ -9,8 +9,8 @@ from verl_core.config.paths import absolute_paths
 from verl_core.config.run import RunConfig
 from verl_core.errors import ConfigError
 from verl_core.workers.group import InProcessWorkerGroup, WorkerGroup
+from verl_core.workers.ranks import ActorWorker, CriticWorker
 from verl_core.workers.roles import Actor, Critic
-from verl_core.workers.workers import ActorWorker, CriticWorker
 
 #: Files that hold a tokenizer's vocabulary: a model folder needs one of them.
 VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model")

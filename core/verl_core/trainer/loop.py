@@ -30,11 +30,15 @@ HF_EXPORT_DIR = "hf_model"
 
 
 class Trainer(abc.ABC):
-    """Base of the trainers: ``config``, ``actor``, ``val_data``, ``run_dir``, ``total_steps``,
-    ``show_progress`` and ``global_step`` are set by the subclass."""
+    """Base of the trainers: ``config``, ``actor``, ``critic``, ``sampler``, ``val_data``, ``run_dir``,
+    ``total_steps``, ``show_progress`` and ``global_step`` are set by the subclass."""
 
+    #: ``trainer_state.json``'s ``trainer``: what tells one kind of run's checkpoint from another's.
+    kind: str
     config: Any
     actor: Any
+    critic: Any = None
+    sampler: EpochSampler
     val_data: Any
     run_dir: Path
     total_steps: int
@@ -46,10 +50,6 @@ class Trainer(abc.ABC):
     resumed_from: Path | None = None
 
     @abc.abstractmethod
-    def resume(self) -> int:
-        """Restore the newest checkpoint; the step to continue after (0 for a fresh run)."""
-
-    @abc.abstractmethod
     def train_step(self, step: int) -> dict[str, float]:
         """Step ``step``'s update; its metrics."""
 
@@ -58,12 +58,31 @@ class Trainer(abc.ABC):
         """The validation metrics after ``step`` steps."""
 
     @abc.abstractmethod
-    def save_checkpoint(self, step: int) -> Path:
-        """Publish step ``step``'s checkpoint."""
-
-    @abc.abstractmethod
     def data_summary(self) -> str:
         """One line about the training data (rows, what was filtered)."""
+
+    def trainer_state(self) -> dict[str, Any]:
+        """What of the trainer's own state a checkpoint keeps besides the step and the sampler (JSON-able)."""
+        return {}
+
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
+        """Restore what ``trainer_state`` returned, from a checkpoint's ``trainer_state.json``."""
+        del state  # nothing of its own by default
+
+    def save_checkpoint(self, step: int) -> Path:
+        """Publish step ``step``'s checkpoint: the roles' engines, the sampler and ``trainer_state``."""
+        state = {"trainer": self.kind, "global_step": step, "sampler": self.sampler.state_dict()}
+        return checkpoints.save(self.config, step, self.actor, self.critic, state | self.trainer_state())
+
+    def resume(self) -> int:
+        """Restore the newest complete checkpoint; the step to continue after (0 for a fresh run)."""
+        restored = checkpoints.restore(self.config, self.kind, self.actor, self.critic)
+        if restored is None:
+            return 0
+        self.resumed_from, state = restored
+        self.sampler.load_state_dict(state["sampler"])
+        self.load_trainer_state(state)
+        return int(state["global_step"])
 
     def fit(self) -> dict[str, float]:
         """Train from the newest checkpoint (or the start) to ``total_steps``; the last step's metrics."""

@@ -13,7 +13,6 @@ process); the trainer only ever holds whole batches and materialised results.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,28 +30,29 @@ from verl_core.data.batch import (
     RESPONSE_MASK,
     RESPONSES,
     RETURNS,
+    ROLLOUT_LOG_PROBS,
+    SCORES,
     TOKEN_LEVEL_REWARDS,
+    UID,
     VALUES,
     concat_batches,
 )
 from verl_core.data.dataset import PromptDataset, PromptRow, load_prompt_datasets
 from verl_core.data.sampler import sequential_batches
-from verl_core.errors import ConfigError, TrainerError
+from verl_core.errors import TrainerError
 from verl_core.reward import load_reward_function, score_responses
-from verl_core.rollout.base import ROLLOUT_LOG_PROBS, SamplingParams
-from verl_core.trainer import checkpoints, console
+from verl_core.rollout.base import SamplingParams
+from verl_core.seeds import derive_seed
+from verl_core.trainer import console
 from verl_core.trainer.loop import Trainer, check_not_finished, epoch_sampler, run_length, with_run_length
 from verl_core.trainer.metrics import REWARD_KEY, VAL_SCORE_KEY
 from verl_core.trainer.preflight import preflight
 from verl_core.trainer.run_files import validation_samples_path, write_jsonl
-from verl_core.trainer.timing import STEP_TIME_KEY, Timer, perf_metrics
+from verl_core.trainer.timing import Timer
 from verl_core.trainer.validation import summarize
+from verl_core.workers.dispatch import check_divisible
 from verl_core.workers.roles import Actor, Critic
 
-#: The batch key of each response's prompt index within its step (GRPO's groups).
-UID = "uid"
-#: The batch key of each response's score from the reward function.
-SCORES = "scores"
 #: ``trainer_state.json``'s ``trainer``: what tells an RL run's checkpoint from an SFT run's.
 TRAINER_KIND = "rl"
 #: Responses whose reward function failed (scored 0 under ``reward.on_error: zero``), per step.
@@ -76,6 +76,7 @@ class RLTrainer(Trainer):
     validation samples and the final export."""
 
     #: Whether its config is held to the RL trainer's cross-section rules (``load_config(rl_rules=...)``).
+    kind = TRAINER_KIND
     uses_rl_rules = True
     summary_keys = (VAL_SCORE_KEY, REWARD_KEY)
 
@@ -163,7 +164,6 @@ class RLTrainer(Trainer):
 
     def train_step(self, step: int) -> dict[str, float]:
         timer = Timer()
-        started = time.perf_counter()
         collected = self.collect(step, timer)
         batch = collected.batch
         metrics = {"training/generation_rounds": float(collected.rounds), **collected.reward_metrics}
@@ -208,16 +208,7 @@ class RLTrainer(Trainer):
             self.actor.sync_weights()
         self.last_batch = batch  # the step's whole batch (responses, scores, advantages), for inspection
 
-        seconds = time.perf_counter() - started
-        response_tokens = int(batch[RESPONSE_MASK].sum())
-        metrics |= timer.metrics()
-        metrics |= {
-            "training/epoch": float(collected.epoch),
-            "response_length/mean": response_tokens / batch.batch_size[0],
-            STEP_TIME_KEY: seconds,
-            **perf_metrics(response_tokens, seconds),
-        }
-        return metrics
+        return metrics | timer.step_metrics(batch[RESPONSE_MASK], collected.epoch)
 
     def collect(self, step: int, timer: Timer) -> Collected:
         """The step's scored responses: ``rollout.n`` per prompt of the next ``data.train_batch_size``
@@ -241,7 +232,7 @@ class RLTrainer(Trainer):
             sampled = self.sampler.next_batch()
             epoch = sampled.epoch if epoch is None else epoch
             rows = self.train_data.select(sampled.indices)
-            seed = _step_seed(self.config.trainer.seed + 7919 * rounds, step)
+            seed = derive_seed("generation", self.config.trainer.seed, step, rounds)
             with timer.phase("generate"):
                 batch = self.generate(rows, self.sampling, seed=seed)
             with timer.phase("reward"):
@@ -341,7 +332,7 @@ class RLTrainer(Trainer):
             sequential_batches(len(self.val_data), self.config.data.val_batch_size)
         ):
             rows = self.val_data.select(indices)
-            seed = _step_seed(self.config.trainer.seed + 1 + number, step)
+            seed = derive_seed("validation", self.config.trainer.seed, step, number)
             batch = self.generate(rows, sampling, seed=seed, n=k)
             scores, _ = self.score(batch, rows)
             by_prompt += scores.view(len(rows), k).tolist()
@@ -363,24 +354,11 @@ class RLTrainer(Trainer):
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def save_checkpoint(self, step: int) -> Path:
-        state = {
-            "trainer": TRAINER_KIND,
-            "global_step": step,
-            "sampler": self.sampler.state_dict(),
-            "kl_coef": self.kl_controller.value,
-        }
-        return checkpoints.save(self.config, step, self.actor, self.critic, state)
+    def trainer_state(self) -> dict[str, Any]:
+        return {"kl_coef": self.kl_controller.value}
 
-    def resume(self) -> int:
-        """The step to continue after: the newest complete checkpoint's, or 0 for a fresh run."""
-        restored = checkpoints.restore(self.config, TRAINER_KIND, self.actor, self.critic)
-        if restored is None:
-            return 0
-        self.resumed_from, state = restored
-        self.sampler.load_state_dict(state["sampler"])
+    def load_trainer_state(self, state: dict[str, Any]) -> None:
         self.kl_controller.value = state["kl_coef"]
-        return int(state["global_step"])
 
 
 # -- helpers ------------------------------------------------------------------------------------------
@@ -390,21 +368,16 @@ def _check_divides(config: RunConfig, dp_size: int) -> None:
     """Every step splits its responses, and every mini-batch, evenly over the DP ranks: refuse
     sizes that cannot, before the first step runs."""
     n = config.rollout.n
-    sizes = {
-        "data.train_batch_size": config.data.train_batch_size * n,
-        "actor.ppo_mini_batch_size": config.actor.ppo_mini_batch_size * n,
-    }
-    errors = [
-        (
-            key,
-            f"{value // n} prompts x rollout.n={n} = {value} responses cannot be split evenly over {dp_size} "
-            f"data-parallel ranks (trainer.world_size): make the responses a multiple of {dp_size}",
-        )
-        for key, value in sizes.items()
-        if value % dp_size
-    ]
-    if errors:
-        raise ConfigError(errors)
+    check_divisible(
+        {
+            key: (prompts * n, f"{prompts} prompts x rollout.n={n} = {prompts * n} responses")
+            for key, prompts in (
+                ("data.train_batch_size", config.data.train_batch_size),
+                ("actor.ppo_mini_batch_size", config.actor.ppo_mini_batch_size),
+            )
+        },
+        dp_size,
+    )
 
 
 def updates_per_step(config: RunConfig) -> int:
@@ -424,11 +397,6 @@ def _sampling(temperature: float, config: RunConfig, tokenizer: Any) -> Sampling
         top_k=rollout.top_k,
         top_p=rollout.top_p,
     )
-
-
-def _step_seed(seed: int, step: int) -> int:
-    """A generation seed for ``step`` that does not depend on what earlier steps drew."""
-    return (seed * 1_000_003 + step) % 2**31
 
 
 def outcome_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,6 @@ included), the same bounds the RL run generates within; longer pairs are dropped
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,12 +31,13 @@ from verl_core.config.run import DataConfig, RolloutConfig, RunConfig
 from verl_core.data.batch import RESPONSE_MASK, join_prompts_and_responses, left_pad
 from verl_core.data.dataset import SFTDataset, SFTRow
 from verl_core.data.sampler import sequential_batches
-from verl_core.errors import ConfigError
-from verl_core.trainer import checkpoints, console
+from verl_core.trainer import console
 from verl_core.trainer.loop import Trainer, check_not_finished, epoch_sampler, run_length, with_run_length
 from verl_core.trainer.preflight import preflight
-from verl_core.trainer.timing import STEP_TIME_KEY, Timer, perf_metrics
-from verl_core.workers.sft import SFT, SFTWorker
+from verl_core.trainer.timing import Timer
+from verl_core.workers.dispatch import check_divisible
+from verl_core.workers.ranks import SFTWorker
+from verl_core.workers.roles import SFT
 
 #: The training loss (the step's token-mean NLL of the responses) and the validation set's.
 SFT_LOSS_KEY = "sft/loss"
@@ -51,6 +51,7 @@ class SFTTrainer(Trainer):
     ``config`` says; ``run_dir`` collects the metrics and the final export."""
 
     #: Whether its config is held to the RL trainer's cross-section rules (``load_config(rl_rules=...)``).
+    kind = TRAINER_KIND
     uses_rl_rules = False
     summary_keys = (VAL_LOSS_KEY, SFT_LOSS_KEY)
 
@@ -72,16 +73,8 @@ class SFTTrainer(Trainer):
         self.show_progress = show_progress
         self.sampler = epoch_sampler(config, len(train_data))
         self.total_steps = run_length(config, len(train_data))
-        if config.data.train_batch_size % actor.dp_size:
-            raise ConfigError(
-                [
-                    (
-                        "data.train_batch_size",
-                        f"{config.data.train_batch_size} sequences per step cannot be split evenly over "
-                        f"{actor.dp_size} data-parallel ranks: make it a multiple of {actor.dp_size}",
-                    )
-                ]
-            )
+        size = config.data.train_batch_size
+        check_divisible({"data.train_batch_size": (size, f"{size} sequences per step")}, actor.dp_size)
         self.global_step = 0
 
     @classmethod
@@ -125,22 +118,12 @@ class SFTTrainer(Trainer):
 
     def train_step(self, step: int = 0) -> dict[str, float]:
         timer = Timer()
-        started = time.perf_counter()
         sampled = self.sampler.next_batch()
         batch = sft_batch(self.train_data.select(sampled.indices), self.tokenizer.pad_token_id)
         with timer.phase("update"):
             metrics = self.actor.update(batch, num_mini_batches=1)
 
-        seconds = time.perf_counter() - started
-        response_tokens = int(batch[RESPONSE_MASK].sum())
-        metrics |= timer.metrics()
-        metrics |= {
-            "training/epoch": float(sampled.epoch),
-            "response_length/mean": response_tokens / batch.batch_size[0],
-            STEP_TIME_KEY: seconds,
-            **perf_metrics(response_tokens, seconds),
-        }
-        return metrics
+        return metrics | timer.step_metrics(batch[RESPONSE_MASK], sampled.epoch)
 
     # -- validation ------------------------------------------------------------------------------
 
@@ -157,19 +140,6 @@ class SFTTrainer(Trainer):
         return {VAL_LOSS_KEY: nll / tokens}
 
     # -- checkpoints -----------------------------------------------------------------------------
-
-    def save_checkpoint(self, step: int) -> Path:
-        state = {"trainer": TRAINER_KIND, "global_step": step, "sampler": self.sampler.state_dict()}
-        return checkpoints.save(self.config, step, self.actor, None, state)
-
-    def resume(self) -> int:
-        """The step to continue after: the newest complete checkpoint's, or 0 for a fresh run."""
-        restored = checkpoints.restore(self.config, TRAINER_KIND, self.actor, None)
-        if restored is None:
-            return 0
-        self.resumed_from, state = restored
-        self.sampler.load_state_dict(state["sampler"])
-        return int(state["global_step"])
 
 
 # -- data ---------------------------------------------------------------------------------------------

@@ -62,10 +62,12 @@ class Timer:
     """The wall seconds of each phase of one step, keyed ``timing/<phase>``.
 
     ``with timer.phase("generate"): ...`` times a phase; ``timer.metrics()`` is what to log;
-    ``reset()`` starts the next step.
+    ``step_metrics`` adds what every step logs; ``reset()`` starts the next step.
     """
 
     timings: dict[str, float] = attrs.field(factory=dict)
+    #: When the step began (``time.perf_counter()``): at creation, and again at ``reset()``.
+    started: float = attrs.field(init=False, factory=time.perf_counter)
 
     def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Time a ``with`` block as the phase ``name`` (see the module function ``phase``)."""
@@ -75,8 +77,22 @@ class Timer:
         """The step's timings so far: ``{"timing/generate": seconds, ...}``."""
         return dict(self.timings)
 
+    def step_metrics(self, response_mask: Any, epoch: int) -> dict[str, float]:
+        """What every step logs after its own metrics, RL and SFT alike: the phases, ``training/epoch``,
+        ``response_length/mean`` (``response_mask``'s tokens per sequence), the step's wall seconds
+        since it began (``perf/step_s``) and ``perf_metrics`` of its response tokens."""
+        seconds = time.perf_counter() - self.started
+        response_tokens = int(response_mask.sum())
+        return self.metrics() | {
+            "training/epoch": float(epoch),
+            "response_length/mean": response_tokens / response_mask.shape[0],
+            STEP_TIME_KEY: seconds,
+            **perf_metrics(response_tokens, seconds),
+        }
+
     def reset(self) -> None:
         self.timings.clear()
+        self.started = time.perf_counter()
 
 
 def peak_memory() -> float:

@@ -9,7 +9,7 @@ that no rank waits for the one holding all the long responses.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from tensordict import TensorDict
@@ -20,21 +20,29 @@ from verl_core.engine.topology import Topology
 from verl_core.errors import ConfigError
 
 
+def check_divisible(counts: Mapping[str, tuple[int, str]], dp_size: int) -> None:
+    """Refuse what cannot be split evenly over the DP ranks. ``counts`` maps the config key that sets
+    a count to the count and how to say it ("8 prompts x rollout.n=2 = 16 responses"); one
+    ``ConfigError`` names every key that does not divide. The one rule of every split: generation,
+    the step's shards, mini-batches and SFT batches."""
+    errors = [
+        (
+            key,
+            f"{what} cannot be split evenly over {dp_size} data-parallel ranks (trainer.world_size divided "
+            f"by the engine's model-parallel sizes): make it a multiple of {dp_size}",
+        )
+        for key, (count, what) in counts.items()
+        if count % dp_size
+    ]
+    if errors:
+        raise ConfigError(errors)
+
+
 def balanced_shards(lengths: Sequence[int], dp_size: int) -> list[torch.Tensor]:
     """Row indices per DP rank: equal counts (the batch must divide), with the total length of each
     shard as even as a snake order over the rows sorted by length makes it. Each shard keeps its rows
     in batch order."""
-    if len(lengths) % dp_size:
-        raise ConfigError(
-            [
-                (
-                    "data.train_batch_size",
-                    f"{len(lengths)} sequences cannot be split evenly over {dp_size} data-parallel ranks: make "
-                    "the sequences of a step (prompts x rollout.n for RL, data.train_batch_size for SFT) a "
-                    "multiple of the data-parallel size (trainer.world_size)",
-                )
-            ]
-        )
+    check_divisible({"data.train_batch_size": (len(lengths), f"{len(lengths)} sequences")}, dp_size)
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     shards: list[list[int]] = [[] for _ in range(dp_size)]
     for position, row in enumerate(order):
@@ -46,15 +54,8 @@ def balanced_shards(lengths: Sequence[int], dp_size: int) -> list[torch.Tensor]:
 def split_batch(batch: TensorDict, dp_size: int, balance: bool = True) -> list[torch.Tensor]:
     """Row indices of each DP rank's shard of ``batch``: balanced by sequence length, or contiguous."""
     if not balance:
-        if batch.batch_size[0] % dp_size:
-            raise ConfigError(
-                [
-                    (
-                        "data.train_batch_size",
-                        f"{batch.batch_size[0]} rows cannot be split evenly over {dp_size} DP ranks",
-                    )
-                ]
-            )
+        rows = batch.batch_size[0]
+        check_divisible({"data.train_batch_size": (rows, f"{rows} rows")}, dp_size)
         return list(torch.arange(batch.batch_size[0]).chunk(dp_size))
     return balanced_shards(batch[ATTENTION_MASK].sum(dim=-1).tolist(), dp_size)
 

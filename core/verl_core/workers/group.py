@@ -1,7 +1,8 @@
 """Worker groups: one process per engine rank, called together, results materialised.
 
 ``WorkerGroup`` is what the roles' typed front ends (``verl_core.workers.roles``) call: ``call`` runs
-one method on every rank with the same arguments, ``call_each`` with one set of arguments per rank;
+one method of the rank's worker on every rank with the same arguments, ``call_each`` with one set of
+arguments per rank (the method by reference, ``ActorWorker.update``: readers and IDEs can follow it);
 both return every rank's result, already collected, so nothing the trainer holds is a future.
 ``InProcessWorkerGroup`` runs a single rank in this process (no Ray, no ``torch.distributed``): for
 embedding core in another RL stack and for fast tests. ``verl_core.workers.ray_group`` provides the
@@ -28,12 +29,12 @@ class WorkerGroup(abc.ABC):
     world_size: int
 
     @abc.abstractmethod
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """``worker.method(*args, **kwargs)`` on every rank; every rank's result, in rank order."""
+    def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """``method(worker, *args, **kwargs)`` on every rank; every rank's result, in rank order."""
 
     @abc.abstractmethod
-    def call_each(self, method: str, args_per_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """``worker.method(*args_per_rank[rank])`` on every rank; every rank's result, in rank order."""
+    def call_each(self, method: Callable[..., Any], args_per_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """``method(worker, *args_per_rank[rank])`` on every rank; every rank's result, in rank order."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:
@@ -49,12 +50,12 @@ class InProcessWorkerGroup(WorkerGroup):
         self.role = role
         self.worker = make_worker()
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return [getattr(self.worker, method)(*args, **kwargs)]
+    def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        return [method(self.worker, *args, **kwargs)]
 
-    def call_each(self, method: str, args_per_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
+    def call_each(self, method: Callable[..., Any], args_per_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
         (args,) = args_per_rank
-        return [getattr(self.worker, method)(*args)]
+        return [method(self.worker, *args)]
 
     def shutdown(self) -> None:
         self.worker = None

@@ -1,6 +1,7 @@
 """The trainer's typed view of each role: whole batches in, whole, materialised results out.
 
-``Actor`` and ``Critic`` wrap a ``WorkerGroup`` of ``ActorWorker`` / ``CriticWorker`` ranks. They split
+``Actor``, ``Critic`` and ``SFT`` wrap a ``WorkerGroup`` of ``ActorWorker`` / ``CriticWorker`` /
+``SFTWorker`` ranks (``verl_core.workers.ranks``), calling their methods by reference. They split
 every batch by the engines' topology (``verl_core.workers.dispatch``), call every rank, and return
 tensors in the batch's row order, so the trainer never sees a rank, a shard or a future. A role
 without a critic simply has no ``Critic``; the reference policy lives inside the actor and is asked
@@ -9,7 +10,8 @@ for through ``Actor.compute_ref_log_probs``, which refuses clearly when no KL te
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import torch
 from tensordict import TensorDict
@@ -17,46 +19,52 @@ from tensordict import TensorDict
 from verl_core.config.paths import absolute_path
 from verl_core.data.batch import concat_batches
 from verl_core.engine.topology import Topology, check_topologies
-from verl_core.errors import ConfigError
 from verl_core.rollout.base import SamplingParams
+from verl_core.seeds import derive_seed
 from verl_core.workers.dispatch import (
+    check_divisible,
     gather_outputs,
     restore_order,
     shards_for_ranks,
     split_batch,
 )
 from verl_core.workers.group import WorkerGroup
+from verl_core.workers.ranks import ActorWorker, CriticWorker, SFTWorker
 
 
 class Role:
-    """The driver-side handle on one role's worker group: the ranks' topologies and their dp size."""
+    """The driver-side handle on one role's worker group: the ranks' topologies and their dp size.
+    ``worker_class`` is the class of its ranks, whose methods it calls."""
+
+    worker_class: ClassVar[type]
 
     def __init__(self, group: WorkerGroup):
         self.group = group
-        self.topologies: list[Topology] = group.call("initialize")
+        self.topologies: list[Topology] = group.call(self.worker_class.initialize)
         self.dp_size = check_topologies(self.topologies, group.role)
 
-    def _per_row(self, method: str, batch: TensorDict, *extra: object) -> torch.Tensor:
+    def _per_row(self, method: Callable[..., Any], batch: TensorDict, *extra: object) -> torch.Tensor:
         """``method`` on each DP shard of ``batch``; per-row results back in the batch's order."""
         shards = split_batch(batch, self.dp_size)
         args = [(batch[shard], *extra) for shard in shards]
         results = self.group.call_each(method, shards_for_ranks(args, self.topologies))
         return restore_order(gather_outputs(results, self.topologies), shards)
 
-    def _update(self, batch: TensorDict, num_mini_batches: int) -> dict[str, float]:
+    def update(self, batch: TensorDict, num_mini_batches: int) -> dict[str, float]:
+        """``num_mini_batches`` optimiser steps (per epoch) on ``batch``, split over the DP ranks."""
         shards = split_batch(batch, self.dp_size)
         args = [(batch[shard], num_mini_batches) for shard in shards]
-        results = self.group.call_each("update", shards_for_ranks(args, self.topologies))
+        results = self.group.call_each(self.worker_class.update, shards_for_ranks(args, self.topologies))
         # Losses and gradient norms are global: every output rank reports the same numbers.
         return gather_outputs(results, self.topologies)[0]
 
     # Paths go to the ranks absolute: a rank's process may run in another folder (verl_core.config.paths).
 
     def save_checkpoint(self, path: str, global_step: int) -> None:
-        self.group.call("save_checkpoint", absolute_path(path), global_step)
+        self.group.call(self.worker_class.save_checkpoint, absolute_path(path), global_step)
 
     def load_checkpoint(self, path: str) -> int:
-        (step, *others) = self.group.call("load_checkpoint", absolute_path(path))
+        (step, *others) = self.group.call(self.worker_class.load_checkpoint, absolute_path(path))
         return step
 
     def shutdown(self) -> None:
@@ -66,52 +74,62 @@ class Role:
 class Actor(Role):
     """The policy, its rollout and (with a KL term) the reference policy, over the actor's ranks."""
 
+    worker_class = ActorWorker
+
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> TensorDict:
         """One response per prompt, each DP rank generating its contiguous share (seeded by ``seed``
         and its DP rank); the batch contract in prompt order."""
-        if len(prompts) % self.dp_size:
-            raise ConfigError(
-                [
-                    (
-                        "data.train_batch_size",
-                        f"{len(prompts)} prompts to generate (prompts x rollout.n) cannot be split evenly over "
-                        f"{self.dp_size} data-parallel ranks (trainer.world_size): make it a multiple",
-                    )
-                ]
-            )
+        count = len(prompts)
+        check_divisible(
+            {"data.train_batch_size": (count, f"{count} prompts to generate (prompts x rollout.n)")},
+            self.dp_size,
+        )
         shards = list(torch.arange(len(prompts)).chunk(self.dp_size))
         args = [
-            ([prompts[i] for i in shard.tolist()], sampling, seed * 1_000_003 + dp)
+            ([prompts[i] for i in shard.tolist()], sampling, derive_seed("rollout", seed, dp))
             for dp, shard in enumerate(shards)
         ]
-        results = self.group.call_each("generate", shards_for_ranks(args, self.topologies))
+        results = self.group.call_each(ActorWorker.generate, shards_for_ranks(args, self.topologies))
         return concat_batches(gather_outputs(results, self.topologies), sampling.pad_token_id)
 
     def compute_log_probs(self, batch: TensorDict) -> torch.Tensor:
-        return self._per_row("compute_log_probs", batch)
+        return self._per_row(ActorWorker.compute_log_probs, batch)
 
     def compute_ref_log_probs(self, batch: TensorDict) -> torch.Tensor:
-        return self._per_row("compute_ref_log_probs", batch)
-
-    def update(self, batch: TensorDict, num_mini_batches: int) -> dict[str, float]:
-        return self._update(batch, num_mini_batches)
+        return self._per_row(ActorWorker.compute_ref_log_probs, batch)
 
     def sync_weights(self) -> None:
-        self.group.call("sync_weights")
+        self.group.call(ActorWorker.sync_weights)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The policy's full weights (Hugging Face names, on the CPU), gathered from the ranks."""
-        return next(result for result in self.group.call("weights") if result is not None)
+        return next(result for result in self.group.call(ActorWorker.weights) if result is not None)
 
     def save_hf_model(self, path: str) -> None:
-        self.group.call("save_hf_model", absolute_path(path))
+        self.group.call(ActorWorker.save_hf_model, absolute_path(path))
 
 
 class Critic(Role):
     """The value model over the critic's ranks."""
 
-    def compute_values(self, batch: TensorDict) -> torch.Tensor:
-        return self._per_row("compute_values", batch)
+    worker_class = CriticWorker
 
-    def update(self, batch: TensorDict, num_mini_batches: int) -> dict[str, float]:
-        return self._update(batch, num_mini_batches)
+    def compute_values(self, batch: TensorDict) -> torch.Tensor:
+        return self._per_row(CriticWorker.compute_values, batch)
+
+
+class SFT(Role):
+    """The policy being fine-tuned, over the SFT role's ranks."""
+
+    worker_class = SFTWorker
+
+    def compute_loss(self, batch: TensorDict) -> dict[str, float]:
+        """The batch's token-mean NLL, forward only; ``batch`` divides over the DP size like an update's."""
+        shards = split_batch(batch, self.dp_size)
+        results = self.group.call_each(
+            SFTWorker.compute_loss, shards_for_ranks([(batch[s],) for s in shards], self.topologies)
+        )
+        return gather_outputs(results, self.topologies)[0]  # a global loss: every output rank has it
+
+    def save_hf_model(self, path: str) -> None:
+        self.group.call(SFTWorker.save_hf_model, absolute_path(path))

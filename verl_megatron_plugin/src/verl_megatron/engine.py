@@ -32,7 +32,9 @@ from tensordict import TensorDict
 from verl_core.config.engine import EngineConfig
 from verl_core.data.batch import (
     ATTENTION_MASK,
+    ENTROPY,
     INPUT_IDS,
+    LOG_PROBS,
     POSITION_IDS,
     RESPONSES,
     VALUES,
@@ -412,7 +414,7 @@ class MegatronEngine(WeightExchange, Offload, Checkpoints, BaseEngine):
                 vocab_size=self._vocab_size,  # columns padded for TP are no tokens
                 group=state.get_tensor_model_parallel_group(),
             )
-        return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
+        return {LOG_PROBS: log_probs} if entropy is None else {LOG_PROBS: log_probs, ENTROPY: entropy}
 
     def _from_last_stage(
         self, local_loss: float, metrics: dict[str, list[float]], has_loss: bool

@@ -1,10 +1,11 @@
-"""The rank side of the roles: what one process of the actor or critic worker group holds and does.
+"""The rank side of the roles: what one process of a role's worker group holds and does.
 
 ``ActorWorker`` holds the policy engine (role ``lm``), its rollout in the same process, and, when a KL
 term needs it, the reference policy (an engine that never steps its optimiser); ``CriticWorker`` holds
-a value engine. Each method works on this rank's share of a batch and is called on every rank of the
-group together (the engines' collectives line up); ``verl_core.workers.roles`` splits batches and
-collects results.
+a value engine; ``SFTWorker`` the policy engine alone, for supervised fine-tuning. Each method works
+on this rank's share of a batch and is called on every rank of the group together (the engines'
+collectives line up); ``verl_core.workers.roles`` splits batches and collects results. Every update
+is one loop (``update_engine``): epochs over contiguous mini-batches, one optimiser step each.
 """
 
 from __future__ import annotations
@@ -16,23 +17,29 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from verl_core.algos.aggregation import TOKEN_MEAN, agg_loss
 from verl_core.algos.policy_loss import compute_actor_loss
 from verl_core.algos.registry import get_policy_loss
 from verl_core.algos.value_loss import compute_value_loss
 from verl_core.config.run import RunConfig
 from verl_core.data.batch import (
     ADVANTAGES,
+    COMPUTE_ENTROPY,
+    ENTROPY,
+    LOG_PROBS,
     OLD_LOG_PROBS,
     REF_LOG_PROB,
     RESPONSE_MASK,
     RETURNS,
+    ROLLOUT_LOG_PROBS,
+    TEMPERATURE,
     VALUES,
     get_global_counts,
 )
-from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE, BaseEngine, build_engine
+from verl_core.engine import BaseEngine, LossFn, build_engine
 from verl_core.engine.topology import Topology
 from verl_core.hookspecs import ROLLOUT_BACKENDS
-from verl_core.rollout.base import ROLLOUT_LOG_PROBS, SamplingParams
+from verl_core.rollout.base import SamplingParams
 
 
 def engine_topology(engine: BaseEngine) -> Topology:
@@ -59,6 +66,21 @@ def skipped_steps(steps: Sequence[dict[str, float]]) -> float:
     """How many optimizer steps the engine skipped (a non-finite ``grad_norm`` means no update)."""
     norms = [step.get("grad_norm") for step in steps]
     return float(sum(norm is None or not math.isfinite(norm) for norm in norms))
+
+
+def update_engine(
+    engine: BaseEngine, batch: TensorDict, loss_fn: LossFn, num_mini_batches: int, epochs: int, prefix: str
+) -> dict[str, float]:
+    """``epochs`` passes over this rank's share of ``batch``, ``num_mini_batches`` optimiser steps each:
+    the steps' metrics averaged as ``<prefix>/<name>``, and ``<prefix>/skipped_steps``."""
+    steps = []
+    with engine.train_mode():
+        for _ in range(epochs):
+            for mini_batch in mini_batches(batch, num_mini_batches):
+                steps.append(engine.train_batch(mini_batch, loss_fn))
+    metrics = mean_metrics(steps, prefix)
+    metrics[f"{prefix}/skipped_steps"] = skipped_steps(steps)
+    return metrics
 
 
 class ActorWorker:
@@ -128,7 +150,7 @@ class ActorWorker:
         batch.set_non_tensor(COMPUTE_ENTROPY, False)
         with engine.eval_mode():
             outputs = engine.infer_batch(batch).outputs
-        return None if outputs is None else outputs["log_probs"]
+        return None if outputs is None else outputs[LOG_PROBS]
 
     # -- update ------------------------------------------------------------------------------------
 
@@ -144,26 +166,21 @@ class ActorWorker:
         ) -> tuple[torch.Tensor, dict[str, float]]:
             keys = micro_batch.keys()
             return compute_actor_loss(
-                log_prob=output["log_probs"],
+                log_prob=output[LOG_PROBS],
                 old_log_prob=micro_batch[OLD_LOG_PROBS],
                 advantages=micro_batch[ADVANTAGES],
                 response_mask=micro_batch[RESPONSE_MASK],
                 config=policy_config,
                 counts=get_global_counts(micro_batch),
-                entropy=output.get("entropy"),
+                entropy=output.get(ENTROPY),
                 ref_log_prob=micro_batch[REF_LOG_PROB] if REF_LOG_PROB in keys else None,
                 rollout_log_probs=micro_batch[ROLLOUT_LOG_PROBS] if ROLLOUT_LOG_PROBS in keys else None,
                 policy_loss=self.policy_loss,
             )
 
-        steps = []
-        with self.policy.train_mode():
-            for _ in range(self.config.actor.ppo_epochs):
-                for mini_batch in mini_batches(batch, num_mini_batches):
-                    steps.append(self.policy.train_batch(mini_batch, loss_fn))
-        metrics = mean_metrics(steps, "actor")
-        metrics["actor/skipped_steps"] = skipped_steps(steps)
-        return metrics
+        return update_engine(
+            self.policy, batch, loss_fn, num_mini_batches, self.config.actor.ppo_epochs, "actor"
+        )
 
     # -- checkpoints -------------------------------------------------------------------------------
 
@@ -214,15 +231,71 @@ class CriticWorker:
                 counts=get_global_counts(micro_batch),
             )
 
-        steps = []
-        with self.engine.train_mode():
-            for _ in range(self.config.actor.ppo_epochs):
-                for mini_batch in mini_batches(batch, num_mini_batches):
-                    steps.append(self.engine.train_batch(mini_batch, loss_fn))
-        return mean_metrics(steps, "critic")
+        return update_engine(
+            self.engine, batch, loss_fn, num_mini_batches, self.config.actor.ppo_epochs, "critic"
+        )
 
     def save_checkpoint(self, path: str, global_step: int) -> None:
         self.engine.save_checkpoint(path, global_step)
 
     def load_checkpoint(self, path: str) -> int:
         return self.engine.load_checkpoint(path)
+
+
+# -- supervised fine-tuning ---------------------------------------------------------------------------
+
+
+def nll_loss(
+    output: dict[str, torch.Tensor], micro_batch: TensorDict, dp_group: Any
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The SFT loss contract: this micro-batch's share of the step's token-mean NLL of the responses."""
+    loss = agg_loss(
+        -output[LOG_PROBS], micro_batch[RESPONSE_MASK], TOKEN_MEAN, get_global_counts(micro_batch)
+    )
+    return loss, {}
+
+
+def _teacher_forced(batch: TensorDict) -> TensorDict:
+    """``batch`` (a shallow copy) set for the log-likelihood of its own tokens: temperature 1, no entropy."""
+    batch = batch.copy()
+    batch.set_non_tensor(TEMPERATURE, 1.0)
+    batch.set_non_tensor(COMPUTE_ENTROPY, False)
+    return batch
+
+
+class SFTWorker:
+    """One rank of the SFT role. ``registry`` resolves backends (default: the installed plugins)."""
+
+    def __init__(self, config: RunConfig, registry: Any = None):
+        from verl_core.plugins import get_registry
+
+        self.config = config
+        self.policy = build_engine(
+            config.actor.engine, "lm", registry or get_registry(), config_path="actor.engine"
+        )
+
+    def initialize(self) -> Topology:
+        self.policy.initialize()
+        return engine_topology(self.policy)
+
+    def update(self, batch: TensorDict, num_mini_batches: int) -> dict[str, float]:
+        """``num_mini_batches`` optimiser steps over this rank's share: ``sft/loss``, ``sft/grad_norm``,
+        ``sft/lr`` (means over the steps) and ``sft/skipped_steps`` (non-finite gradient norms)."""
+        return update_engine(self.policy, _teacher_forced(batch), nll_loss, num_mini_batches, 1, "sft")
+
+    def compute_loss(self, batch: TensorDict) -> dict[str, float]:
+        """Forward only: ``loss``, the token-mean NLL of the responses of the whole batch (all ranks)."""
+        with self.policy.eval_mode():
+            result = self.policy.infer_batch(_teacher_forced(batch), nll_loss)
+        return {"loss": result.loss}
+
+    # -- checkpoints and export --------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str, global_step: int) -> None:
+        self.policy.save_checkpoint(path, global_step)
+
+    def load_checkpoint(self, path: str) -> int:
+        return self.policy.load_checkpoint(path)
+
+    def save_hf_model(self, path: str) -> None:
+        self.policy.save_hf_model(path)

@@ -43,6 +43,9 @@ LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
 #: The default of ``trainer.worker_timeout_s``: a rank that does not answer a liveness check for
 #: this long is reported (Ray's own health check declares a node dead after about as long).
 LIVENESS_TIMEOUT_S = 30.0
+#: The least a rank gets to answer while it sets up: importing torch (loading its libraries) and
+#: reading a model's weights can hold Python's global lock for many seconds at a time on a busy node.
+SETUP_LIVENESS_TIMEOUT_S = 120.0
 #: How often the driver checks on the ranks it waits for, and the most often it asks one.
 POLL_S = 1.0
 PING_INTERVAL_S = 5.0
@@ -209,8 +212,8 @@ class _Rank:
         )
         self.worker = make_worker()
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.worker, method)(*args, **kwargs)
+    def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return method(self.worker, *args, **kwargs)
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -241,15 +244,18 @@ class RayWorkerGroup(WorkerGroup):
         self.processes: list[tuple[int, str]] = []
         self._pings: dict[int, tuple[Any, float]] = {}  # rank: (its unanswered liveness check, when asked)
         self._last_ping: dict[int, float] = {}
-        started = self._wait([actor.start.remote() for actor in self.actors], check_liveness=False)
+        started = self._wait([actor.start.remote() for actor in self.actors], liveness_timeout_s=0)
         self.processes = [(pid, host) for pid, host, _ in started]
         _, host, port = started[0]
-        self._wait([actor.setup.remote(host, port, make_worker, device) for actor in self.actors])
+        self._wait(
+            [actor.setup.remote(host, port, make_worker, device) for actor in self.actors],
+            liveness_timeout_s=max(liveness_timeout_s, SETUP_LIVENESS_TIMEOUT_S) if liveness_timeout_s else 0,
+        )
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         return self._wait([actor.call.remote(method, *args, **kwargs) for actor in self.actors])
 
-    def call_each(self, method: str, args_per_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
+    def call_each(self, method: Callable[..., Any], args_per_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
         return self._wait(
             [actor.call.remote(method, *args) for actor, args in zip(self.actors, args_per_rank, strict=True)]
         )
@@ -272,9 +278,11 @@ class RayWorkerGroup(WorkerGroup):
         )
         return f"{self.role} rank {rank}'s process{where}" if process else f"{self.role} rank {rank}{where}"
 
-    def _wait(self, futures: list[Any], check_liveness: bool = True) -> list[Any]:
+    def _wait(self, futures: list[Any], liveness_timeout_s: float | None = None) -> list[Any]:
         """Every future's value, in order (one per rank); the first rank to fail raises at once (the
-        others may be waiting for it in a collective), as does a rank that stopped answering."""
+        others may be waiting for it in a collective), as does a rank that has not answered a liveness
+        check for ``liveness_timeout_s`` (default: the group's; 0: not checked)."""
+        timeout_s = self.liveness_timeout_s if liveness_timeout_s is None else liveness_timeout_s
         import ray
         from ray.exceptions import RayActorError, RayTaskError, UnserializableException
 
@@ -295,13 +303,13 @@ class RayWorkerGroup(WorkerGroup):
                         f"{self.describe(rank_of[future], process=True)} died ({type(error).__name__}); the run "
                         "stops here, the last checkpoint is intact: fix the cause and run again to resume"
                     ) from error
-            if pending and check_liveness and self.liveness_timeout_s > 0:
-                self._check_liveness(sorted(rank_of[future] for future in pending))
+            if pending and timeout_s > 0:
+                self._check_liveness(sorted(rank_of[future] for future in pending), timeout_s)
         return ray.get(futures)
 
-    def _check_liveness(self, ranks: list[int]) -> None:
+    def _check_liveness(self, ranks: list[int], timeout_s: float) -> None:
         """Ask each rank in ``ranks`` whether it is alive (at most every ``PING_INTERVAL_S``); raise
-        when one has left a question unanswered for ``liveness_timeout_s``."""
+        when one has left a question unanswered for ``timeout_s``."""
         import ray
 
         now = time.monotonic()
@@ -309,16 +317,19 @@ class RayWorkerGroup(WorkerGroup):
         answered = (
             set(ray.wait(outstanding, num_returns=len(outstanding), timeout=0)[0]) if outstanding else set()
         )
-        interval = min(PING_INTERVAL_S, self.liveness_timeout_s / 4)
+        interval = min(PING_INTERVAL_S, timeout_s / 4)
         for rank in ranks:
             if rank in self._pings:
                 future, asked = self._pings[rank]
                 if future in answered:  # a dead rank's failed answer counts too: its call reports it
                     del self._pings[rank]
-                elif now - asked >= self.liveness_timeout_s:
+                elif now - asked >= timeout_s:
+                    limit = f"trainer.worker_timeout_s={self.liveness_timeout_s:g}"
+                    if timeout_s != self.liveness_timeout_s:
+                        limit = f"{timeout_s:g} s while it sets up"
                     raise WorkerError(
                         f"{self.describe(rank)} has not answered for {now - asked:.0f} s "
-                        f"(trainer.worker_timeout_s={self.liveness_timeout_s:g}): its process is stopped or "
+                        f"({limit}): its process is stopped or "
                         "hung (a SIGSTOP or Ctrl-Z, a debugger, swapping, native code holding Python's "
                         "lock); the run stops here, the last checkpoint is intact. If the rank is only slow "
                         "to answer, raise trainer.worker_timeout_s (0 waits for ever)"

@@ -76,30 +76,59 @@ def workers_description(config: RunConfig) -> str:
 def worker_group(config: RunConfig, role: str, make_worker: Any, device: str = "cpu") -> WorkerGroup:
     """The worker group ``trainer.workers`` says for ``role``, whose engine computes on ``device``
     (an ``EngineConfig.device``: under Ray, a CUDA engine gets one GPU per rank and NCCL)."""
-    if config.trainer.workers == "in_process":
-        return InProcessWorkerGroup(role, make_worker)
-    from verl_core.engine.device import device_type
-    from verl_core.workers.ray_group import RayWorkerGroup
+    (group,) = worker_groups(config, [(role, make_worker, device)])
+    return group
 
-    return RayWorkerGroup(
-        role,
-        make_worker,
-        world_size=config.trainer.world_size,
-        address=config.trainer.ray_address,
-        device=device_type(device, f"{role}.engine.device"),
-        liveness_timeout_s=config.trainer.worker_timeout_s,
-    )
+
+def worker_groups(config: RunConfig, roles: list[tuple[str, Any, str]]) -> list[WorkerGroup]:
+    """``worker_group`` for each ``(role, make_worker, device)``; under Ray the groups start side by side
+    (``start_together``), not one after the other. If one fails, the others are released."""
+    if config.trainer.workers == "in_process":
+        return [InProcessWorkerGroup(role, make_worker) for role, make_worker, _ in roles]
+    from verl_core.engine.device import device_type
+    from verl_core.workers.ray_group import RayWorkerGroup, start_together
+
+    groups = []
+    try:
+        for role, make_worker, device in roles:
+            group = RayWorkerGroup(
+                role,
+                make_worker,
+                world_size=config.trainer.world_size,
+                address=config.trainer.ray_address,
+                device=device_type(device, f"{role}.engine.device"),
+                liveness_timeout_s=config.trainer.worker_timeout_s,
+                wait=False,
+            )
+            groups.append(group)
+        start_together(groups)
+    except BaseException:
+        for group in groups:
+            group.shutdown()
+        raise
+    return groups
 
 
 def build_roles(config: RunConfig, registry: Any = None) -> tuple[Actor, Critic | None]:
     """The actor and (with ``critic.enable``) the critic, their engines initialised on every rank."""
-    actor = Actor(
-        worker_group(config, "actor", WorkerMaker(ActorWorker, config, registry), config.actor.engine.device)
-    )
-    critic = None
+    roles = [("actor", WorkerMaker(ActorWorker, config, registry), config.actor.engine.device)]
     if config.critic.enable:
-        maker = WorkerMaker(CriticWorker, config, registry)
-        critic = Critic(worker_group(config, "critic", maker, config.critic.engine.device))
+        roles.append(("critic", WorkerMaker(CriticWorker, config, registry), config.critic.engine.device))
+    if config.trainer.workers == "in_process":  # one process: each role built and initialised in turn
+        actor = Actor(worker_group(config, *roles[0]))
+        try:
+            return actor, Critic(worker_group(config, *roles[1])) if config.critic.enable else None
+        except BaseException:
+            actor.shutdown()
+            raise
+    groups = worker_groups(config, roles)
+    try:
+        actor = Actor(groups[0])
+        critic = Critic(groups[1]) if config.critic.enable else None
+    except BaseException:  # an engine that failed to initialise: release every rank
+        for group in groups:
+            group.shutdown()
+        raise
     return actor, critic
 
 

@@ -120,6 +120,16 @@ def _without_api_server(ray: Any) -> Iterator[None]:
         services.start_api_server = original
 
 
+def start_together(groups: Sequence[RayWorkerGroup]) -> None:
+    """Bring up ``groups`` (made with ``wait=False``) side by side: each group's ranks set up as soon
+    as its processes are up, whatever the other groups are doing; return when every group is ready.
+    A group that fails raises (its ``WorkerError``) and the callers release them all."""
+    for group in groups:
+        group._begin_setup()
+    for group in groups:
+        group._finish_setup()
+
+
 def _check_reachable(address: str) -> None:
     host_port = address.removeprefix("ray://").removeprefix("http://")
     host, _, port = host_port.rpartition(":")
@@ -220,7 +230,11 @@ class RayWorkerGroup(WorkerGroup):
     """``world_size`` Ray actors of ``role``, each building its worker with ``make_worker()``.
 
     ``liveness_timeout_s`` bounds how long a rank may go without answering a liveness check while the
-    driver waits for it (``trainer.worker_timeout_s``); 0 waits as long as the rank takes."""
+    driver waits for it (``trainer.worker_timeout_s``); 0 waits as long as the rank takes.
+
+    The group is ready when the constructor returns. With ``wait=False`` the ranks' processes are only
+    asked for; ``start_together`` then brings several groups up side by side (their processes start,
+    import and build their workers at the same time rather than one group after the other)."""
 
     def __init__(
         self,
@@ -230,6 +244,7 @@ class RayWorkerGroup(WorkerGroup):
         address: str | None = None,
         device: str = "cpu",
         liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
+        wait: bool = True,
     ):
         ray = ensure_ray(address)
         self.role, self.world_size = role, world_size
@@ -244,13 +259,26 @@ class RayWorkerGroup(WorkerGroup):
         self.processes: list[tuple[int, str]] = []
         self._pings: dict[int, tuple[Any, float]] = {}  # rank: (its unanswered liveness check, when asked)
         self._last_ping: dict[int, float] = {}
-        started = self._wait([actor.start.remote() for actor in self.actors], liveness_timeout_s=0)
+        self._starting = [actor.start.remote() for actor in self.actors]
+        self._setting_up: list[Any] = []
+        self._make_worker, self._device = make_worker, device
+        if wait:
+            start_together([self])
+
+    def _begin_setup(self) -> None:
+        """Wait for the ranks' processes; ask each to join the process group and build its worker."""
+        started = self._wait(self._starting, liveness_timeout_s=0)
         self.processes = [(pid, host) for pid, host, _ in started]
         _, host, port = started[0]
+        make_worker, device = self._make_worker, self._device
+        self._setting_up = [actor.setup.remote(host, port, make_worker, device) for actor in self.actors]
+
+    def _finish_setup(self) -> None:
+        timeout_s = self.liveness_timeout_s
         self._wait(
-            [actor.setup.remote(host, port, make_worker, device) for actor in self.actors],
-            liveness_timeout_s=max(liveness_timeout_s, SETUP_LIVENESS_TIMEOUT_S) if liveness_timeout_s else 0,
+            self._setting_up, liveness_timeout_s=max(timeout_s, SETUP_LIVENESS_TIMEOUT_S) if timeout_s else 0
         )
+        self._starting = self._setting_up = []
 
     def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         return self._wait([actor.call.remote(method, *args, **kwargs) for actor in self.actors])

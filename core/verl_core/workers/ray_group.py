@@ -9,8 +9,9 @@ every rank joins the group (gloo on CPU, NCCL on GPU) with a bounded timeout and
 Calls wait for every rank and surface the first failure at once: an exception in a rank becomes a
 ``WorkerError`` naming the role and the rank (the original chained), and so does a rank whose
 process died, or one that stopped answering: while the driver waits, it asks each busy rank whether
-it is alive (a call served by a thread of its own, so a rank busy computing still answers), and a
-rank that has not answered for ``liveness_timeout_s`` (a stopped or hung process) ends the wait.
+it is alive (a call served by a thread of its own, so a rank busy computing still answers); a rank
+silent for half of ``liveness_timeout_s`` is named in a warning, and one silent for all of it (a
+stopped or hung process) ends the wait.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import ipaddress
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -257,8 +259,10 @@ class RayWorkerGroup(WorkerGroup):
         self.actors = [remote.remote(role, rank, world_size) for rank in range(world_size)]
         #: Each rank's process id and node address, once it started.
         self.processes: list[tuple[int, str]] = []
-        self._pings: dict[int, tuple[Any, float]] = {}  # rank: (its unanswered liveness check, when asked)
-        self._last_ping: dict[int, float] = {}
+        self._pings: dict[int, Any] = {}  # rank: its unanswered liveness check
+        self._last_ping: dict[int, float] = {}  # rank: when it was last asked
+        self._heard: dict[int, float] = {}  # rank: when it last answered
+        self._warned: set[int] = set()  # the ranks a warning named as silent
         self._starting = [actor.start.remote() for actor in self.actors]
         self._setting_up: list[Any] = []
         self._make_worker, self._device = make_worker, device
@@ -316,6 +320,7 @@ class RayWorkerGroup(WorkerGroup):
 
         rank_of = {future: rank for rank, future in enumerate(futures)}
         pending = list(futures)
+        waiting_since = time.monotonic()
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=POLL_S)
             for future in ready:
@@ -332,37 +337,48 @@ class RayWorkerGroup(WorkerGroup):
                         "stops here, the last checkpoint is intact: fix the cause and run again to resume"
                     ) from error
             if pending and timeout_s > 0:
-                self._check_liveness(sorted(rank_of[future] for future in pending), timeout_s)
+                self._check_liveness(sorted(rank_of[future] for future in pending), timeout_s, waiting_since)
         return ray.get(futures)
 
-    def _check_liveness(self, ranks: list[int], timeout_s: float) -> None:
-        """Ask each rank in ``ranks`` whether it is alive (at most every ``PING_INTERVAL_S``); raise
-        when one has left a question unanswered for ``timeout_s``."""
+    def _check_liveness(self, ranks: list[int], timeout_s: float, waiting_since: float) -> None:
+        """Ask each rank in ``ranks`` whether it is alive (at most every ``PING_INTERVAL_S``). A rank
+        silent (a question outstanding, no answer since the last one or since the wait began) for half
+        of ``timeout_s`` is named in a warning on stderr; for all of it, the wait raises."""
         import ray
 
         now = time.monotonic()
-        outstanding = [self._pings[rank][0] for rank in ranks if rank in self._pings]
+        outstanding = [self._pings[rank] for rank in ranks if rank in self._pings]
         answered = (
             set(ray.wait(outstanding, num_returns=len(outstanding), timeout=0)[0]) if outstanding else set()
         )
         interval = min(PING_INTERVAL_S, timeout_s / 4)
         for rank in ranks:
-            if rank in self._pings:
-                future, asked = self._pings[rank]
-                if future in answered:  # a dead rank's failed answer counts too: its call reports it
-                    del self._pings[rank]
-                elif now - asked >= timeout_s:
-                    limit = f"trainer.worker_timeout_s={self.liveness_timeout_s:g}"
-                    if timeout_s != self.liveness_timeout_s:
-                        limit = f"{timeout_s:g} s while it sets up"
-                    raise WorkerError(
-                        f"{self.describe(rank)} has not answered for {now - asked:.0f} s "
-                        f"({limit}): its process is stopped or "
-                        "hung (a SIGSTOP or Ctrl-Z, a debugger, swapping, native code holding Python's "
-                        "lock); the run stops here, the last checkpoint is intact. If the rank is only slow "
-                        "to answer, raise trainer.worker_timeout_s (0 waits for ever)"
-                    )
+            heard = max(self._heard.get(rank, waiting_since), waiting_since)
+            if rank in self._pings and self._pings[rank] in answered:  # a dead rank's failed answer too:
+                del self._pings[rank]  # its call reports the death
+                self._heard[rank] = heard = now
+                if rank in self._warned:
+                    self._warned.discard(rank)
+                    print(f"verl-core: {self.describe(rank)} answers again", file=sys.stderr, flush=True)
+            silent = now - heard
+            limit = f"trainer.worker_timeout_s={self.liveness_timeout_s:g}"
+            if timeout_s != self.liveness_timeout_s:
+                limit = f"{timeout_s:g} s while it sets up"
+            if rank in self._pings and silent >= timeout_s:
+                raise WorkerError(
+                    f"{self.describe(rank)} has not answered for {silent:.0f} s ({limit}): its process is "
+                    "stopped or hung (a SIGSTOP or Ctrl-Z, a debugger, swapping, native code holding Python's "
+                    "lock); the run stops here, the last checkpoint is intact. If the rank is only slow "
+                    "to answer, raise trainer.worker_timeout_s (0 waits for ever)"
+                )
+            if rank in self._pings and silent >= timeout_s / 2 and rank not in self._warned:
+                self._warned.add(rank)
+                print(
+                    f"verl-core: warning: {self.describe(rank)} has not answered for {silent:.0f} s (stopped? "
+                    f"hung?); the run stops if it has not answered after {timeout_s:g} s ({limit})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if rank not in self._pings and now - self._last_ping.get(rank, -interval) >= interval:
-                actor = self.actors[rank]
-                self._pings[rank] = (actor.alive.options(concurrency_group=LIVENESS_GROUP).remote(), now)
+                self._pings[rank] = self.actors[rank].alive.options(concurrency_group=LIVENESS_GROUP).remote()
                 self._last_ping[rank] = now

@@ -87,6 +87,35 @@ def test_an_unreachable_ray_address_is_an_error_within_seconds(monkeypatch) -> N
     assert attempts == [(("127.0.0.1", 1), ray_group.CONNECT_TIMEOUT_S)]
 
 
+class _FlakyRay:
+    """Ray whose first ``failures`` starts miss their deadline, as on a machine with every core busy."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures, self.inits, self.shutdowns = failures, 0, 0
+
+    def init(self, **kwargs) -> None:
+        self.inits += 1
+        if self.inits <= self.failures:
+            raise Exception("Failed to get node info: RPC error: Deadline Exceeded")
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+def test_a_local_ray_start_that_misses_a_deadline_is_tried_once_more(capfd) -> None:
+    from verl_core.workers import ray_group
+
+    ray = _FlakyRay(failures=1)
+    ray_group._start_local_cluster(ray)
+    assert (ray.inits, ray.shutdowns) == (2, 1)  # the failed start's processes are shut down first
+    assert "starting Ray failed (Failed to get node info" in capfd.readouterr().err
+
+    ray = _FlakyRay(failures=ray_group.LOCAL_START_ATTEMPTS)
+    with pytest.raises(WorkerError, match=r"could not start a local Ray cluster \(2 attempts\).*Deadline"):
+        ray_group._start_local_cluster(ray)
+    assert ray.shutdowns == ray_group.LOCAL_START_ATTEMPTS
+
+
 def test_a_stopped_then_a_killed_worker_end_the_run_naming_the_role_and_rank_and_the_checkpoint_stays(
     demo, tmp_path, ray_cluster, capfd
 ) -> None:

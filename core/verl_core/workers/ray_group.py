@@ -42,6 +42,8 @@ COLLECTIVE_TIMEOUT_S = 120
 CONNECT_TIMEOUT_S = 10.0
 #: The object store of a local cluster (the default would take 30% of the machine's memory).
 LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
+#: How often a local cluster's start is tried before the run fails.
+LOCAL_START_ATTEMPTS = 2
 #: The default of ``trainer.worker_timeout_s``: a rank that does not answer a liveness check for
 #: this long is reported (Ray's own health check declares a node dead after about as long).
 LIVENESS_TIMEOUT_S = 30.0
@@ -71,6 +73,18 @@ def ensure_ray(address: str | None) -> Any:
         return ray
     with _keep_sigterm_handler():
         if address is None:
+            _start_local_cluster(ray)
+        else:
+            ray.init(address=address, log_to_driver=True)
+    return ray
+
+
+def _start_local_cluster(ray: Any) -> None:
+    """``ray.init`` of a local cluster, tried twice: on a machine whose cores are all busy, Ray's own
+    processes can miss the deadlines of their first RPCs (``Failed to get node info: ... Deadline
+    Exceeded``), and a second start, after the first one's processes are shut down, gets through."""
+    for attempt in range(LOCAL_START_ATTEMPTS):
+        try:
             with _without_api_server(ray):
                 ray.init(
                     include_dashboard=False,
@@ -78,9 +92,16 @@ def ensure_ray(address: str | None) -> Any:
                     _temp_dir="/tmp/verl_ray",
                     log_to_driver=True,
                 )
-        else:
-            ray.init(address=address, log_to_driver=True)
-    return ray
+            return
+        except Exception as error:  # Ray raises plain Exception and RuntimeError subclasses alike
+            ray.shutdown()
+            if attempt + 1 == LOCAL_START_ATTEMPTS:
+                raise WorkerError(
+                    f"could not start a local Ray cluster ({LOCAL_START_ATTEMPTS} attempts): {error}. "
+                    "Is the machine overloaded, or /tmp/verl_ray full? Ray's logs are in "
+                    "/tmp/verl_ray/session_latest/logs"
+                ) from error
+            print(f"verl-core: starting Ray failed ({error}); trying once more", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

@@ -314,7 +314,8 @@ def test_wrong_types_in_lists_and_tuples_name_the_index(tmp_path):
         "data.train_files[2]": "expected str, got {'x': 1}",
         "actor.engine.optim.betas": "expected a list of 2 items, got 1: [0.9] "
         "(from override 'actor.engine.optim.betas=[0.9]')",
-        "trainer.logger": "expected a list, got 'console' (from override 'trainer.logger=console')",
+        "trainer.logger": "expected a list, got 'console' (a list of one: [console]) "
+        "(from override 'trainer.logger=console')",
     }
 
 

@@ -120,6 +120,16 @@ def test_a_checkpoint_dir_that_cannot_be_created_or_belongs_to_another_run(demo,
     )
     assert "is a file" in errors["trainer.checkpoint_dir"], errors
 
+    # A folder nobody can create files in, root included (os.access says root may).
+    errors = config_errors(
+        capsys,
+        *run_overrides(
+            demo, tmp_path, **{"trainer.checkpoint_dir": "/proc/checkpoints", "trainer.save_freq": 1}
+        ),
+    )
+    assert "'/proc/checkpoints' is not writable (/proc: " in errors["trainer.checkpoint_dir"], errors
+    assert not Path("/proc/checkpoints").exists()
+
     sft_checkpoints = tmp_path / "sft_checkpoints" / "global_step_3"
     sft_checkpoints.mkdir(parents=True)
     (sft_checkpoints / "verl_checkpoint.json").write_text(

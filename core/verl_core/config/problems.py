@@ -80,5 +80,9 @@ def short_repr(value: Any, limit: int = 60) -> str:
 
 
 def mismatch(expected: str, value: Any) -> TypeError:
-    hint = " (quote it to make it a string)" if expected == "str" and isinstance(value, (int, float)) else ""
+    hint = ""
+    if expected == "str" and isinstance(value, (int, float)):
+        hint = " (quote it to make it a string)"
+    elif expected == "a list" and isinstance(value, str):
+        hint = f" (a list of one: [{value}])"
     return TypeError(f"expected {expected}, got {short_repr(value)}{hint}")

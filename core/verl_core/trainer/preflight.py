@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -216,10 +217,15 @@ def _writable(key: str, path: str) -> Iterator[tuple[str, str]]:
         existing = existing.parent
     if not existing.is_dir():
         yield key, f"{path!r} cannot be created: {existing} is a file"
-    elif not os.access(existing, os.W_OK | os.X_OK):
+        return
+    # Creating something is the only test that holds for root too (os.access says yes to root on a
+    # read-only mount or in /proc); a folder made and removed at once changes nothing.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".verl-core-probe-", dir=existing))
+    except OSError as error:
         yield (
             key,
-            f"{path!r} is not writable by this user ({existing} is not): choose a folder you can write to",
+            f"{path!r} is not writable ({existing}: {error.strerror}): choose a folder you can write to",
         )
 
 

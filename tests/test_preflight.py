@@ -60,6 +60,18 @@ def test_an_sft_config_is_told_from_its_data_and_passes(demo, tmp_path, capsys) 
     assert "checked as a config for `verl-core sft`" in capsys.readouterr().err
     assert main(["config", "--for", "train", *overrides]) == 2
     assert "critic.enable: adv_estimator 'gae' needs a critic" in capsys.readouterr().err
+    # `train` given it says what the config is, beside the rule it broke; a real RL mistake does not.
+    assert main(["train", *overrides]) == 2
+    assert "this is an SFT config (the rows of data.train_files" in capsys.readouterr().err
+    rl_overrides = run_overrides(demo, tmp_path, **{"algorithm.adv_estimator": "gae"})
+    assert main(["train", *rl_overrides]) == 2
+    assert "SFT config" not in capsys.readouterr().err
+
+
+def test_train_and_sft_without_a_config_say_how_to_give_one(capsys) -> None:
+    for command in ("train", "sft"):
+        assert main([command]) == 2
+        assert f"error: no config given: verl-core {command} CONFIG.yaml" in capsys.readouterr().err
 
 
 def test_missing_files_and_folders_are_named_by_key_all_at_once(demo, tmp_path, capsys) -> None:

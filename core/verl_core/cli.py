@@ -9,6 +9,8 @@ curves from its metrics file.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import signal
@@ -281,8 +283,17 @@ def _run_trainer(args: argparse.Namespace, import_trainer: Any, rl_rules: bool) 
     with _StopSignals() as stop:
         trainer, config = None, None
         try:
+            if not args.items and not args.override:
+                print(
+                    f"error: no config given: verl-core {'train' if rl_rules else 'sft'} CONFIG.yaml [KEY=VALUE ...] "
+                    "(examples/ has recipes)",
+                    file=sys.stderr,
+                )
+                return 2
             config = _load_run_config(args, rl_rules=rl_rules)
             if config is None:
+                if rl_rules:
+                    _say_if_sft_config(args)
                 return 2
             try:
                 trainer_class = import_trainer()
@@ -320,6 +331,21 @@ def _run_trainer(args: argparse.Namespace, import_trainer: Any, rl_rules: bool) 
 
         print(f"verl-core:   curves: {plot_run(config.trainer.run_dir)}", file=sys.stderr)
         return 0
+
+
+def _say_if_sft_config(args: argparse.Namespace) -> None:
+    """After ``train`` refused a config: say so when it is an SFT config, the likelier mistake than
+    the RL rules it broke (a critic for 'gae', say)."""
+    from verl_core.trainer.preflight import trainer_kind
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        config = _load_run_config(args, rl_rules=False, quiet=True)
+    if config is not None and trainer_kind(config) == "sft":
+        print(
+            "verl-core: this is an SFT config (the rows of data.train_files have the data.response_key "
+            "column): run it with `verl-core sft`",
+            file=sys.stderr,
+        )
 
 
 class _StopRequested(BaseException):

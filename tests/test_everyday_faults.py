@@ -196,7 +196,8 @@ def stop_line(stderr: str, what: str) -> re.Match:
     lines = [line for line in stderr.splitlines() if line.startswith("verl-core: ") and what in line]
     assert len(lines) == 1, stderr[-3000:]
     match = re.fullmatch(
-        rf"verl-core: {what} during step (\d+) of 500; the last checkpoint is (\S+) \(step (\d+)\): "
+        rf"verl-core: {what} (?:during|while saving the checkpoint of|while validating after) step (\d+) "
+        r"of 500; the last checkpoint is (\S+) \(step (\d+)\): "
         "run the same command to resume",
         lines[0],
     )
@@ -218,7 +219,7 @@ def test_ctrl_c_stops_a_local_ray_run_in_seconds_and_nothing_leaves_loopback(dem
         assert seconds < 15, f"{seconds:.1f} s to stop"
         match = stop_line(run.err.read_text(), "interrupted")
         step, saved = int(match.group(1)), int(match.group(3))
-        assert saved >= 1 and saved < step <= saved + 2  # the step running, or saving its checkpoint
+        assert saved >= 1 and saved < step <= saved + 2  # the step running, or its checkpoint being saved
         assert (tmp_path / match.group(2)).resolve() == tmp_path / "checkpoints" / f"global_step_{saved}"
         assert saved == checkpoints.complete_checkpoints(tmp_path / "checkpoints")[-1][0]
         assert not run.leftovers()
@@ -245,3 +246,62 @@ def test_sigterm_to_the_whole_run_stops_it_in_seconds_without_a_stack_dump(demo,
         assert not run.leftovers()
     finally:
         run.kill_all()
+
+
+def test_a_stop_between_updates_says_what_the_run_was_doing(tmp_path) -> None:
+    """The stop line names the stage ``fit`` is in: a stop while step 2's checkpoint is written is not
+    'during step 3' (the save is step 2's, and the last complete checkpoint is step 1's)."""
+    from types import SimpleNamespace
+
+    from verl_core.cli import EXIT_INTERRUPTED, _stopped_message
+    from verl_core.trainer.loop import Trainer
+
+    class Recording(Trainer):
+        kind = "rl"
+
+        def train_step(self, step):
+            seen.append((step, "update", self.stage))
+            return {"reward/mean": 0.5}
+
+        def validate(self, step):
+            seen.append((step, "validate", self.stage))
+            return {"val/score/mean": 0.5}
+
+        def data_summary(self):
+            return "data"
+
+        def resume(self):
+            return 0
+
+        def save_checkpoint(self, step):
+            seen.append((step, "save", self.stage))
+            message = _stopped_message(self.config, self, EXIT_INTERRUPTED)
+            seen.append((step, "message", message))
+
+    settings = SimpleNamespace(
+        test_freq=2,
+        save_freq=2,
+        save_hf_model=False,
+        logger=[],
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        resume_mode="auto",
+    )
+    seen: list = []
+    trainer = Recording()
+    trainer.config, trainer.val_data, trainer.run_dir = SimpleNamespace(trainer=settings), object(), tmp_path
+    trainer.total_steps, trainer.show_progress, trainer.global_step = 2, False, 0
+    trainer.fit()
+    assert seen[:3] == [
+        (0, "validate", "while validating before the first step"),
+        (1, "update", None),
+        (2, "update", None),
+    ]
+    assert (2, "validate", "while validating after step 2 of 2") in seen
+    assert (2, "save", "while saving the checkpoint of step 2 of 2") in seen
+    assert (
+        2,
+        "message",
+        "interrupted while saving the checkpoint of step 2 of 2; no checkpoint yet: "
+        "the same command starts over",
+    ) in seen
+    assert trainer.stage is None

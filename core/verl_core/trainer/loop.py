@@ -48,6 +48,9 @@ class Trainer(abc.ABC):
     summary_keys: tuple[str, ...] = ()
     #: The checkpoint the run resumed from (set by ``resume``), None for a fresh run.
     resumed_from: Path | None = None
+    #: What ``fit`` is doing besides an update (``while saving the checkpoint of step 50 of 150``),
+    #: None during one: where a stopped run says it stopped.
+    stage: str | None = None
 
     @abc.abstractmethod
     def train_step(self, step: int) -> dict[str, float]:
@@ -105,7 +108,9 @@ class Trainer(abc.ABC):
             start_step=self.global_step,
         ) as logger:
             if self.global_step == 0 and self.val_data is not None and trainer.test_freq:
+                self.stage = "while validating before the first step"
                 logger.log(0, self.validate(0))  # where the curves start
+                self.stage = None
             while self.global_step < self.total_steps:
                 step = self.global_step + 1
                 metrics = self.train_step(step)
@@ -116,14 +121,19 @@ class Trainer(abc.ABC):
                     and self.val_data is not None
                     and (step % trainer.test_freq == 0 or last)
                 ):
+                    self.stage = f"while validating after step {step} of {self.total_steps}"
                     metrics |= self.validate(step)
                 logger.log(step, metrics)
                 if trainer.save_freq and (step % trainer.save_freq == 0 or last):
+                    self.stage = f"while saving the checkpoint of step {step} of {self.total_steps}"
                     self.save_checkpoint(step)
+                self.stage = None
         files = [f"metrics: {self.run_dir / METRICS_FILE}"]
         if trainer.save_hf_model:
             export = self.run_dir / HF_EXPORT_DIR
+            self.stage = f"while writing the Hugging Face export to {export} (after step {self.global_step})"
             self.actor.save_hf_model(str(export))
+            self.stage = None
             files.append(f"Hugging Face export: {export}")
         if trainer.save_freq:
             files.append(f"checkpoints: {trainer.checkpoint_dir}")

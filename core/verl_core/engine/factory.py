@@ -55,6 +55,8 @@ def build_engine(
             ]
         )
 
+    if config.model.lora and not backend.lora:
+        _refuse_lora(config, registry, backend.name, provider, config_path)
     engine_class = entry.load("engine")
     if not (isinstance(engine_class, type) and issubclass(engine_class, BaseEngine)):
         raise PluginValidationError(
@@ -72,6 +74,25 @@ def build_engine(
             "the same class"
         )
     return _construct(engine_class, config, role, config_path)
+
+
+def _refuse_lora(
+    config: EngineConfig, registry: Registry, name: str, provider: str, config_path: str
+) -> None:
+    key = "lora_rank" if config.model.lora_rank else "lora_adapter_path"
+    trains_lora = sorted(entry.name for entry in registry.entries(ENGINE_BACKENDS) if entry.descriptor.lora)
+    raise ConfigError(
+        [
+            (
+                f"{config_path}.model.{key}",
+                f"engine backend '{name}' from {provider} does not train LoRA adapters (it does not declare "
+                "EngineBackend(lora=True)): LoRA comes with core's HFEngine toolkit, where peft adapts the "
+                "Hugging Face model's linear layers, and an engine with layers of its own (megatron-core's "
+                "tensor-parallel ones) would need adapters of its own; unset it to train the full model, or "
+                f"use a backend that trains LoRA: {trains_lora}",
+            )
+        ]
+    )
 
 
 def _construct(

@@ -307,3 +307,11 @@ def test_grpo_with_lora_in_process_exports_a_merged_model_and_an_adapter_that_lo
     torch.testing.assert_close(infer(resumed, batch)[LOG_PROBS][mask], trained[mask], atol=1e-5, rtol=0)
     with resumed.reference():
         torch.testing.assert_close(infer(resumed, batch)[LOG_PROBS][mask], base[mask], atol=1e-5, rtol=0)
+
+
+def test_a_missing_adapter_is_reported_before_the_run_starts(demo, tmp_path) -> None:
+    from verl_core.trainer.preflight import check_run
+
+    overrides = run_overrides(demo, tmp_path, **{"actor.engine.model.lora_adapter_path": str(tmp_path)})
+    problems = dict(check_run(load_config([], overrides), "rl"))
+    assert "holds no adapter_config.json" in problems["actor.engine.model.lora_adapter_path"]

@@ -23,6 +23,8 @@ from verl_core.errors import ConfigError
 
 #: The adapter folder inside a LoRA engine's Hugging Face export (``PeftModel.from_pretrained`` loads it).
 LORA_ADAPTER_DIR = "lora_adapter"
+#: What makes a folder a peft adapter.
+ADAPTER_CONFIG_FILE = "adapter_config.json"
 #: ``target_modules`` value that adapts every linear layer but the LM head (peft's own shorthand).
 ALL_LINEAR = "all-linear"
 #: What ``PeftModel`` puts before the wrapped model's names, and around an adapted layer's own weights.
@@ -56,17 +58,7 @@ def apply_lora(
     peft = _import_peft(where)
 
     if config.lora_adapter_path is not None:
-        adapter = Path(config.lora_adapter_path).expanduser()
-        if not (adapter / "adapter_config.json").is_file():
-            raise ConfigError(
-                [
-                    (
-                        f"{where}.lora_adapter_path",
-                        f"{config.lora_adapter_path!r} holds no adapter_config.json: give the folder that "
-                        f"PeftModel.save_pretrained wrote (a LoRA export's {LORA_ADAPTER_DIR}/)",
-                    )
-                ]
-            )
+        adapter = check_adapter_dir(config.lora_adapter_path, f"{where}.lora_adapter_path")
         with seeded(seed):
             return peft.PeftModel.from_pretrained(
                 module, str(adapter), is_trainable=True, autocast_adapter_dtype=False
@@ -90,6 +82,22 @@ def _import_peft(where: str):
         key = f"{where}.lora_rank"
         raise ConfigError([(key, f"LoRA needs peft ({error}): pip install 'verl-core[lora]'")]) from error
     return peft
+
+
+def check_adapter_dir(path: str, where: str = "model.lora_adapter_path") -> Path:
+    """``path`` as a peft adapter folder, or a ``ConfigError`` at ``where`` saying what to give."""
+    adapter = Path(path).expanduser()
+    if not (adapter / ADAPTER_CONFIG_FILE).is_file():
+        raise ConfigError(
+            [
+                (
+                    where,
+                    f"{path!r} holds no {ADAPTER_CONFIG_FILE}: give the folder that PeftModel.save_pretrained "
+                    f"wrote (a LoRA run's hf_model/{LORA_ADAPTER_DIR})",
+                )
+            ]
+        )
+    return adapter
 
 
 def check_target_modules(module: torch.nn.Module, target_modules: str | list[str], where: str) -> None:

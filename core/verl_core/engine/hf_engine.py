@@ -30,6 +30,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from tensordict import TensorDict
@@ -191,7 +192,7 @@ class HFEngine(TorchOptimizerSteps, BaseEngine):
             adapter = adapter_params(module, self.full_tensor)  # a collective: every rank gathers
             module = module.get_base_model()  # the config and file layout of the merged model
 
-            def write_adapter(staging) -> None:
+            def write_adapter(staging: Path) -> None:
                 save_adapter(self.module, adapter, staging / LORA_ADAPTER_DIR)
 
         save_hf_model_from_params(

@@ -315,3 +315,10 @@ def test_a_missing_adapter_is_reported_before_the_run_starts(demo, tmp_path) -> 
     overrides = run_overrides(demo, tmp_path, **{"actor.engine.model.lora_adapter_path": str(tmp_path)})
     problems = dict(check_run(load_config([], overrides), "rl"))
     assert "holds no adapter_config.json" in problems["actor.engine.model.lora_adapter_path"]
+
+
+def test_the_adapter_has_the_base_models_dtype(dirs) -> None:
+    """FSDP2 shards one dtype per unit: peft's float32 adapters on a bfloat16 model would not shard."""
+    engine = lora_engine(dirs.lm, dtype="bfloat16")
+    engine.initialize()
+    assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}

@@ -47,7 +47,9 @@ class RefConfig:
     """The ``ref`` section: the frozen reference policy of the KL terms.
 
     ``engine: null`` (the default) gives the reference the actor's engine config; see
-    ``RunConfig.ref_engine``. It is used only when a KL term is on.
+    ``RunConfig.ref_engine``. It is used only when a KL term is on. With a LoRA actor
+    (``actor.engine.model.lora_rank``) and ``engine: null`` the actor's own engine serves the
+    reference, its adapter disabled (docs/lora.md).
     """
 
     engine: EngineConfig | None = None

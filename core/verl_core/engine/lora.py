@@ -12,6 +12,7 @@ export can see the base weights or a merge of an earlier step.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def apply_lora(
 
     if config.lora_adapter_path is not None:
         adapter = check_adapter_dir(config.lora_adapter_path, f"{where}.lora_adapter_path")
-        with seeded(seed):
+        with seeded(seed), _peft_asking_deprecated_questions():
             return peft.PeftModel.from_pretrained(
                 module, str(adapter), is_trainable=True, autocast_adapter_dtype=False
             )
@@ -71,8 +72,17 @@ def apply_lora(
         lora_dropout=config.lora_dropout,
         bias="none",
     )
-    with seeded(seed):
+    with seeded(seed), _peft_asking_deprecated_questions():
         return peft.get_peft_model(module, lora_config, autocast_adapter_dtype=False)
+
+
+@contextlib.contextmanager
+def _peft_asking_deprecated_questions() -> Iterator[None]:
+    """peft (0.21) asks transformers (5.x) ``is_gradient_checkpointing``, which warns at every run; the
+    answer is right, and neither the user nor this code can change the question."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def _import_peft(where: str):

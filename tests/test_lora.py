@@ -16,7 +16,7 @@ import torch
 from fixtures.demo import run_overrides
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from verl_core import EngineBackend, hookimpl
 from verl_core.config import load_config, structure
@@ -100,6 +100,20 @@ def test_unknown_target_modules_are_refused_with_the_layers_the_model_has(dirs) 
     ((path, message),) = error.value.errors
     assert path == "actor.engine.model.target_modules"
     assert "['qkv']" in message and "'o_proj'" in message and "'down_proj'" in message
+
+
+def test_an_adapter_on_an_lm_head_tied_to_the_embeddings_is_refused(dirs, tmp_path) -> None:
+    config = AutoConfig.from_pretrained(dirs.lm)
+    config.tie_word_embeddings = True
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tied")
+    engine = lora_engine(tmp_path / "tied", target_modules=["q_proj", "lm_head"])
+    with pytest.raises(ConfigError, match="'lm_head' is tied to the input embeddings"):
+        engine.initialize()
+    untied = lora_engine(dirs.lm, target_modules=["lm_head"])  # its own weight: merged like any layer
+    untied.initialize()
+    assert [name for name, _ in exported(untied)] == list(
+        AutoModelForCausalLM.from_pretrained(dirs.lm).state_dict()
+    )
 
 
 def test_a_critic_and_a_backend_without_lora_are_refused_by_key(dirs) -> None:
@@ -248,9 +262,7 @@ def test_the_kit_lora_check_fails_a_broken_engine_where_it_is_broken(backend, di
 # -- GRPO with an adapter, in process -----------------------------------------------------------------
 
 
-def merged_vocab(path) -> int:
-    from transformers import AutoConfig
-
+def vocab_size_of(path) -> int:
     return AutoConfig.from_pretrained(path).vocab_size
 
 
@@ -274,7 +286,7 @@ def test_grpo_with_lora_in_process_exports_a_merged_model_and_an_adapter_that_lo
     final = trainer.fit()
     assert reference_calls and final["actor/grad_norm"] > 0 and math.isfinite(final["actor/kl_loss"])
 
-    samples = make_samples(seed=2, vocab_size=merged_vocab(demo.model))[:4]
+    samples = make_samples(seed=2, vocab_size=vocab_size_of(demo.model))[:4]
     batch = collate(samples)
     batch.set_non_tensor(TEMPERATURE, 1.0)
     trained = infer(worker.policy, batch)[LOG_PROBS]

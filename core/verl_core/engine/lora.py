@@ -113,25 +113,38 @@ def check_adapter_dir(path: str, where: str = "model.lora_adapter_path") -> Path
 def check_target_modules(module: torch.nn.Module, target_modules: str | list[str], where: str) -> None:
     """Each name in ``target_modules`` names linear layers of ``module`` (by the last part of their
     path, as peft matches, or the whole path); an unknown name is a ``ConfigError`` listing the
-    linear layers the model has."""
+    linear layers the model has. An LM head tied to the input embeddings cannot take an adapter: the
+    merged head would no longer be the embeddings, which a tied export cannot hold."""
     if isinstance(target_modules, str):
         if target_modules == ALL_LINEAR:
-            return
+            return  # peft leaves the LM head out
         target_modules = [target_modules]
     linear = [name for name, layer in module.named_modules() if isinstance(layer, torch.nn.Linear)]
     known = {name.rsplit(".", 1)[-1] for name in linear} | set(linear)
+    problems = []
     unknown = [name for name in target_modules if name not in known]
     if unknown:
         have = sorted({name.rsplit(".", 1)[-1] for name in linear})
-        raise ConfigError(
-            [
-                (
-                    where,
-                    f"{unknown} name no linear layer of {type(module).__name__}; it has {have} (or use "
-                    f"{ALL_LINEAR!r})",
-                )
-            ]
+        problems.append(
+            f"{unknown} name no linear layer of {type(module).__name__}; it has {have} (or use {ALL_LINEAR!r})"
         )
+    head = _tied_head_name(module)
+    if head is not None and any(name in (head, head.rsplit(".", 1)[-1]) for name in target_modules):
+        problems.append(
+            f"{head!r} is tied to the input embeddings (tie_word_embeddings): an adapter on it cannot be "
+            "merged into the one tensor both share; leave it out"
+        )
+    if problems:
+        raise ConfigError([(where, "; ".join(problems))])
+
+
+def _tied_head_name(module: torch.nn.Module) -> str | None:
+    """The path of ``module``'s LM head when it is tied to the input embeddings, else None."""
+    config = getattr(module, "config", None)
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    if head is None or not getattr(config, "tie_word_embeddings", False):
+        return None
+    return next(name for name, layer in module.named_modules() if layer is head)
 
 
 def hf_name(peft_name: str) -> str:

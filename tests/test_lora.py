@@ -122,6 +122,19 @@ def test_a_critic_and_a_backend_without_lora_are_refused_by_key(dirs) -> None:
         critic.initialize()  # refused before the model loads
     assert error.value.errors[0][0] == "critic.engine.model.lora_rank"
     assert "head starts untrained" in error.value.errors[0][1]
+    critic_config = f"{{backend: ddp, model: {{path: {dirs.value}, lora_rank: 8}}}}"
+    with pytest.raises(ConfigError) as error:  # and before anything starts, in a run config
+        load_config(
+            [],
+            [
+                "actor.engine.backend=ddp",
+                f"actor.engine.model.path={dirs.lm}",
+                "critic.enable=true",
+                f"critic.engine={critic_config}",
+                "algorithm.adv_estimator=gae",
+            ],
+        )
+    assert "critic.engine.model.lora_rank" in dict(error.value.errors)
     with pytest.raises(ConfigError) as error:
         lora_engine(dirs.lm, backend="megatron")
     ((path, message),) = error.value.errors

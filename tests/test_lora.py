@@ -142,6 +142,14 @@ def test_a_critic_and_a_backend_without_lora_are_refused_by_key(dirs) -> None:
     assert "megatron-core's tensor-parallel" in message and "'ddp'" in message and "'fsdp'" in message
 
 
+def test_lora_on_a_backend_without_it_is_refused_before_the_run_starts(demo, tmp_path) -> None:
+    from verl_core.trainer.preflight import check_run
+
+    changes = {"actor.engine.backend": "megatron", "actor.engine.model.lora_rank": 8}
+    problems = dict(check_run(load_config([], run_overrides(demo, tmp_path, **changes)), "rl"))
+    assert "does not train LoRA adapters" in problems["actor.engine.model.lora_rank"]
+
+
 # -- one step against peft ---------------------------------------------------------------------------
 
 

@@ -23,7 +23,7 @@ from verl_core.config.validators import each_rule
 from verl_core.data.files import read_file
 from verl_core.engine.checkpoint import CheckpointError
 from verl_core.engine.integrity import file_problem
-from verl_core.errors import ConfigError, DataError
+from verl_core.errors import ConfigError, DataError, VerlCoreError
 from verl_core.trainer import checkpoints
 
 #: Which trainer a config is for: ``verl-core train`` (``rl``) or ``verl-core sft``.
@@ -118,8 +118,19 @@ def _model_paths(config: RunConfig) -> dict[str, str]:
 
 
 def _adapters(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]:
-    """The LoRA adapters the engines start from (``model.lora_adapter_path``)."""
+    """LoRA on backends that train it (``EngineBackend(lora=True)``), and the adapters the engines
+    start from (``model.lora_adapter_path``)."""
+    from verl_core.engine.factory import lora_refusal
+    from verl_core.plugins import get_registry
+
     for where, engine in _engine_sections(config).items():
+        if engine.model.lora:
+            try:
+                refusal = lora_refusal(engine, get_registry(), where)
+            except VerlCoreError:  # the backend cannot be used: the config load reports why
+                refusal = None
+            if refusal is not None:
+                yield refusal
         if engine.model.lora_adapter_path is not None:
             from verl_core.engine.lora import check_adapter_dir
 

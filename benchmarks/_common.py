@@ -152,15 +152,19 @@ def build_engine(
     packing: bool = False,
     lr: float = 1e-4,
     compile_layers: bool = False,
+    model_options: dict[str, Any] | None = None,
 ):
     """An initialised ``backend`` engine (role ``lm``, fp32, CPU, weight decay 0.01, clipping at 1)
-    found through the installed plugins, with ``options`` structured into its options class."""
+    found through the installed plugins, with ``options`` structured into its options class and
+    ``model_options`` further ``ModelConfig`` fields (LoRA's)."""
     from verl_core.config.engine import EngineConfig, MicroBatchConfig, ModelConfig, OptimConfig
     from verl_core.engine import build_engine as build
 
     config = EngineConfig(
         backend=backend,
-        model=ModelConfig(path=model_path, dtype="float32", compile_layers=compile_layers),
+        model=ModelConfig(
+            path=model_path, dtype="float32", compile_layers=compile_layers, **(model_options or {})
+        ),
         options=structure_options(backend, options or {}),
         optim=OptimConfig(lr=lr),
         micro_batch=MicroBatchConfig(micro_batch_size=micro_batch_size, packing=packing),

@@ -275,3 +275,51 @@ def test_responses_that_do_not_split_over_the_ranks_are_refused_before_the_first
         in message
     )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing ran
+
+
+def test_grpo_with_lora_on_two_fsdp_ranks_under_ray_exports_what_it_trained(
+    demo, tmp_path, ray_cluster
+) -> None:
+    """The acceptance run of LoRA (docs/lora.md): the merged export and the adapter folder both give
+    the trained policy's log-probs, as the sharded engine computes them."""
+    import peft
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from verl_core.data.batch import LOG_PROBS
+    from verl_core.engine.lora import LORA_ADAPTER_DIR
+    from verl_core.testing.reference import reference_outputs
+    from verl_core.testing.tiny import collate, make_samples
+
+    overrides = run_overrides(
+        demo,
+        tmp_path,
+        backend="fsdp",
+        **{
+            "trainer.workers": "ray",
+            "trainer.world_size": 2,
+            "actor.engine.model.lora_rank": 8,
+            "actor.engine.optim.lr": 1e-2,
+            "actor.policy_loss.use_kl_loss": "true",
+            "trainer.save_hf_model": "true",
+        },
+    )
+    trainer = RLTrainer.from_config(load_config([], overrides), show_progress=False)
+    samples = make_samples(seed=2, vocab_size=AutoConfig.from_pretrained(demo.model).vocab_size)[:4]
+    batch = collate(samples)
+    try:
+        final = trainer.fit()
+        trained = trainer.actor.compute_log_probs(batch)
+        base = trainer.actor.compute_ref_log_probs(batch)
+    finally:
+        trainer.shutdown()
+    assert final["actor/grad_norm"] > 0 and "timing/ref_log_probs" in final
+    mask = batch["response_mask"].bool()
+    assert (trained - base)[mask].abs().max() > 1e-4  # the adapter trained; the reference is the base
+    export = tmp_path / "run" / "hf_model"
+    merged = AutoModelForCausalLM.from_pretrained(export)
+    adapted = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(demo.model), export / LORA_ADAPTER_DIR
+    )
+    for model in (merged, adapted):
+        log_probs = reference_outputs(model, samples, "lm", 1.0)[LOG_PROBS]
+        torch.testing.assert_close(log_probs[mask], trained[mask], atol=1e-5, rtol=0)

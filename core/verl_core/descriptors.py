@@ -142,7 +142,9 @@ class EngineBackend:
     written as a literal number: a core that no longer (or not yet) speaks it refuses the backend.
     Leaving it out is deprecated: it reads as 1, what verl-core 0.1.0 filled in, with a warning.
     ``override=True`` states that this backend deliberately replaces another plugin's backend of the
-    same name; without it, two providers of one name are an error.
+    same name; without it, two providers of one name are an error. ``lora=True`` states that the
+    engine trains LoRA adapters (``model.lora_rank``, docs/lora.md): engines built on ``HFEngine``
+    get it from the toolkit and pass the kit's ``lora`` check; without it a LoRA config is refused.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -157,6 +159,7 @@ class EngineBackend:
     api_version: int = attrs.field(default=None, validator=_check_api_version)
     description: str = ""
     override: bool = False
+    lora: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.api_version is None:

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import attrs
 
 from verl_core.config.validators import (
+    InvalidValue,
     device,
     each,
     in_range,
@@ -16,6 +17,15 @@ from verl_core.config.validators import (
     positive,
     unit_interval,
 )
+
+
+def _target_modules(instance: Any, attribute: attrs.Attribute[Any], value: str | list[str]) -> None:
+    if isinstance(value, str):
+        non_empty(instance, attribute, value)
+    elif not value:
+        raise InvalidValue(attribute.name, "an empty list adapts no layer: name some, or use 'all-linear'")
+    else:
+        each(non_empty)(instance, attribute, value)
 
 
 @attrs.define
@@ -30,6 +40,24 @@ class ModelConfig:
     #: ``torch.compile`` each decoder layer's forward (compiled on first use; shapes that vary between
     #: micro-batches are compiled once more, as dynamic).
     compile_layers: bool = False
+    #: LoRA adapter rank (docs/lora.md); 0 trains the full model. With LoRA only the adapter trains and
+    #: has optimiser state, the reference policy is this model with the adapter disabled, and the
+    #: rollout receives the merged weights.
+    lora_rank: int = attrs.field(default=0, validator=non_negative)
+    #: The adapter's scale is ``lora_alpha / lora_rank``.
+    lora_alpha: int = attrs.field(default=16, validator=positive)
+    #: The layers that get an adapter: ``all-linear`` (every linear layer but the LM head), or a list of
+    #: module names (``[q_proj, v_proj]``); names the model lacks are refused with the ones it has.
+    target_modules: str | list[str] = attrs.field(default="all-linear", validator=_target_modules)
+    lora_dropout: float = attrs.field(default=0.0, validator=in_range(0, 1, include_high=False))
+    #: Start from a trained adapter (a folder ``PeftModel.save_pretrained`` wrote); its rank, alpha and
+    #: target modules are the adapter's own. The reference policy stays the base model.
+    lora_adapter_path: str | None = attrs.field(default=None, validator=attrs.validators.optional(non_empty))
+
+    @property
+    def lora(self) -> bool:
+        """Whether LoRA is on: a rank, or an adapter to start from."""
+        return self.lora_rank > 0 or self.lora_adapter_path is not None
 
 
 @attrs.define

@@ -22,12 +22,16 @@ import attrs
 from verl_core.config.run import RunConfig
 from verl_core.descriptors import is_file_spec
 
+#: The engines' model folders, and the LoRA adapters they may start from.
+_MODEL_KEYS = tuple(
+    f"{role}.engine.model.{field}"
+    for field in ("path", "lora_adapter_path")
+    for role in ("actor", "ref", "critic")
+)
 #: Every key of a ``RunConfig`` that holds a file or folder (``[]``: a list of them; ``reward.function``
 #: only when it names a file, ``path/to/file.py:function``).
 PATH_KEYS: tuple[str, ...] = (
-    "actor.engine.model.path",
-    "ref.engine.model.path",
-    "critic.engine.model.path",
+    *_MODEL_KEYS,
     "data.train_files[]",
     "data.val_files[]",
     "trainer.checkpoint_dir",
@@ -37,9 +41,7 @@ PATH_KEYS: tuple[str, ...] = (
 )
 #: The keys whose readers expand ``~`` to the home directory (the model folders, the reward file); the
 #: others keep it as a folder name, in the driver and therefore in the workers.
-EXPANDS_HOME = frozenset(
-    ("actor.engine.model.path", "ref.engine.model.path", "critic.engine.model.path", "reward.function")
-)
+EXPANDS_HOME = frozenset((*_MODEL_KEYS, "reward.function"))
 
 
 def absolute_path(path: str, base: str | os.PathLike[str] | None = None, expand_home: bool = False) -> str:

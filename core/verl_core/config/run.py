@@ -47,7 +47,9 @@ class RefConfig:
     """The ``ref`` section: the frozen reference policy of the KL terms.
 
     ``engine: null`` (the default) gives the reference the actor's engine config; see
-    ``RunConfig.ref_engine``. It is used only when a KL term is on.
+    ``RunConfig.ref_engine``. It is used only when a KL term is on. With a LoRA actor
+    (``actor.engine.model.lora_rank``) and ``engine: null`` the actor's own engine serves the
+    reference, its adapter disabled (docs/lora.md).
     """
 
     engine: EngineConfig | None = None
@@ -64,6 +66,13 @@ class CriticConfig:
     def check(self) -> Iterator[tuple[str, str]]:
         if self.enable and self.engine is None:
             yield "engine", "required when critic.enable is true: give it backend and model like actor.engine"
+        if self.engine is not None and self.engine.model.lora:
+            key = "lora_rank" if self.engine.model.lora_rank else "lora_adapter_path"
+            yield (
+                f"engine.model.{key}",
+                "LoRA is for the policy, not the critic: its value head starts untrained and needs full "
+                "training; remove it here (actor.engine.model can still use LoRA)",
+            )
 
     def ignored(self) -> Iterator[tuple[str, str]]:
         if self.engine is not None and not self.enable:

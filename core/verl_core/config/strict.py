@@ -110,6 +110,23 @@ def _structure_optional(value: Any, optional: Any) -> Any:
     return converter.structure(value, inner)
 
 
+def _is_str_or_list(tp: Any) -> bool:
+    """``str | list[...]``: one name, or several (``target_modules: all-linear`` or ``[q_proj, v_proj]``)."""
+    if not _is_union(tp) or len(typing.get_args(tp)) != 2 or str not in typing.get_args(tp):
+        return False
+    (other,) = [arg for arg in typing.get_args(tp) if arg is not str]
+    return typing.get_origin(other) is list
+
+
+def _structure_str_or_list(value: Any, union: Any) -> Any:
+    if isinstance(value, str):
+        return value
+    (list_type,) = [arg for arg in typing.get_args(union) if arg is not str]
+    if not isinstance(value, (list, tuple)):
+        raise mismatch("a str or a list", value)
+    return _structure_list(value, list_type)
+
+
 def _structure_items(values: Any, item_types: list[Any]) -> list[Any]:
     items, errors = [], []
     for index, (value, item_type) in enumerate(zip(values, item_types, strict=True)):
@@ -384,6 +401,7 @@ def register_generic_hooks() -> None:
     converter.register_structure_hook_factory(attrs.has, make_section_hook)
     converter.register_structure_hook_func(lambda tp: typing.get_origin(tp) is Literal, _structure_literal)
     converter.register_structure_hook_func(_is_optional, _structure_optional)
+    converter.register_structure_hook_func(_is_str_or_list, _structure_str_or_list)
     converter.register_structure_hook_func(
         lambda tp: tp is list or typing.get_origin(tp) is list, _structure_list
     )

@@ -198,6 +198,19 @@ class BaseEngine(abc.ABC):
         """Forward only: log-probs (and entropy when ``compute_entropy``) or values for ``batch``."""
         return self.forward_backward_batch(batch, loss_fn, forward_only=True)
 
+    # -- the reference policy --------------------------------------------------------------------
+
+    @property
+    def serves_reference(self) -> bool:
+        """Whether this engine also runs the policy's reference, inside ``reference()`` (LoRA: the
+        base model is the reference); the trainer then builds no reference engine."""
+        return False
+
+    def reference(self) -> contextlib.AbstractContextManager:
+        """Inside, forward passes (``infer_batch``) run the reference policy; only when
+        ``serves_reference``."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve a reference policy")
+
     # -- weights and checkpoints -----------------------------------------------------------------
 
     @abc.abstractmethod

@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -171,12 +171,26 @@ def _classify(directory: str | os.PathLike, model: str | None, error: BaseExcept
 
 
 def load_model_state(
-    module: torch.nn.Module, state_dict: dict[str, Any], directory: str | os.PathLike, model: str
+    module: torch.nn.Module,
+    state_dict: dict[str, Any],
+    directory: str | os.PathLike,
+    model: str,
+    only: Collection[str] | None = None,
 ) -> None:
     """``module.load_state_dict(state_dict)`` (strict); a checkpoint of another model (missing keys,
-    size mismatches) is an error naming the checkpoint ``directory`` and the ``model`` loading it."""
+    size mismatches) is an error naming the checkpoint ``directory`` and the ``model`` loading it.
+
+    ``only``: the entries a partial checkpoint holds (a LoRA adapter's, ``HFEngine.checkpointed_state``);
+    exactly these must be there, the others keep their values.
+    """
     with reading_checkpoint(directory, model):
-        module.load_state_dict(state_dict)
+        if only is None:
+            module.load_state_dict(state_dict)
+            return
+        missing, unexpected = sorted(set(only) - set(state_dict)), sorted(set(state_dict) - set(only))
+        if missing or unexpected:
+            raise RuntimeError(f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+        module.load_state_dict(state_dict, strict=False)
 
 
 def _unreadable(directory: str | os.PathLike, error: BaseException) -> CheckpointError:

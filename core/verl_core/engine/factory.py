@@ -55,6 +55,9 @@ def build_engine(
             ]
         )
 
+    refusal = lora_refusal(config, registry, config_path)
+    if refusal is not None:
+        raise ConfigError([refusal])
     engine_class = entry.load("engine")
     if not (isinstance(engine_class, type) and issubclass(engine_class, BaseEngine)):
         raise PluginValidationError(
@@ -72,6 +75,25 @@ def build_engine(
             "the same class"
         )
     return _construct(engine_class, config, role, config_path)
+
+
+def lora_refusal(config: EngineConfig, registry: Registry, config_path: str) -> tuple[str, str] | None:
+    """The ``(key, message)`` refusing ``config``'s LoRA keys when its backend does not declare
+    ``EngineBackend(lora=True)``; ``None`` when LoRA is off or the backend trains it. Also the run's
+    early checks (``verl_core.trainer.preflight``), so that a refusal comes before any worker starts."""
+    entry = registry.entry(ENGINE_BACKENDS, config.backend, where=f"{config_path}.backend")
+    if not config.model.lora or entry.descriptor.lora:
+        return None
+    key = "lora_rank" if config.model.lora_rank else "lora_adapter_path"
+    trains_lora = sorted(other.name for other in registry.entries(ENGINE_BACKENDS) if other.descriptor.lora)
+    return (
+        f"{config_path}.model.{key}",
+        f"engine backend '{config.backend}' from {entry.provider} does not train LoRA adapters (it does not "
+        "declare EngineBackend(lora=True)): LoRA comes with core's HFEngine toolkit, where peft adapts the "
+        "Hugging Face model's linear layers, and an engine with layers of its own (megatron-core's "
+        "tensor-parallel ones) would need adapters of its own; unset it to train the full model, or use a "
+        f"backend that trains LoRA: {trains_lora}",
+    )
 
 
 def _construct(

@@ -18,6 +18,11 @@ the slow model load, AdamW and the LR schedule over the wrapped model's paramete
 config), ``set_model_mode``, ``forward_backward_batch`` through ``run_micro_batches``, the optimiser
 half of ``to``, ``get_per_tensor_param`` in Hugging Face order, and ``save_hf_model`` (rank 0 writes,
 every rank returns once the export exists). docs/engine.md walks through it with the DDP template.
+
+LoRA (``config.model.lora_rank``, docs/lora.md) comes with it: ``initialize`` wraps the loaded model
+in a ``PeftModel`` before ``wrap_model`` (so ``module`` is the ``PeftModel``), the optimiser holds the
+adapter only, the weight export is merged, ``reference()`` disables the adapter, and
+``checkpointed_state`` tells the backend's checkpoints to hold the adapter only.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from tensordict import TensorDict
@@ -34,6 +40,15 @@ from verl_core.engine.base import BaseEngine, ForwardBackwardResult, LossFn
 from verl_core.engine.device import move_module
 from verl_core.engine.hf import forward_micro_batch, load_hf_model, save_hf_model_from_params
 from verl_core.engine.loop import run_micro_batches
+from verl_core.engine.lora import (
+    LORA_ADAPTER_DIR,
+    adapter_disabled,
+    adapter_params,
+    apply_lora,
+    check_lora_role,
+    merged_params,
+    save_adapter,
+)
 from verl_core.engine.optim import (
     TorchOptimizerSteps,
     build_lr_scheduler,
@@ -95,10 +110,15 @@ class HFEngine(TorchOptimizerSteps, BaseEngine):
         if self.module is not None:
             raise RuntimeError(f"{type(self).__name__}.initialize() was already called")
         validate_optim_config(self.config.optim, f"{self.config_path}.optim")  # before the slow load
+        check_lora_role(self.config.model, self.role, f"{self.config_path}.model")
         module = self.load_model()
+        if self.config.model.lora:
+            module = apply_lora(module, self.config.model, self.config.seed, f"{self.config_path}.model")
         self.model = self.wrap_model(module)
         self.module = module
-        self.optimizer = build_optimizer(self.model.parameters(), self.config.optim)
+        # Frozen weights (LoRA's base) get no optimiser state.
+        trainable = (parameter for parameter in self.model.parameters() if parameter.requires_grad)
+        self.optimizer = build_optimizer(trainable, self.config.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.config.optim)
         self.offload_per_config("cpu")
 
@@ -137,25 +157,65 @@ class HFEngine(TorchOptimizerSteps, BaseEngine):
             device=self.device,
         )
 
+    # -- the reference policy --------------------------------------------------------------------
+
+    @property
+    def serves_reference(self) -> bool:
+        """With LoRA the base model is the reference policy: ``reference()`` runs it, no second copy."""
+        return self.config.model.lora
+
+    def reference(self) -> contextlib.AbstractContextManager:
+        if not self.serves_reference:
+            return super().reference()
+        return adapter_disabled(self._initialized())
+
     # -- weights ---------------------------------------------------------------------------------
 
     def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every weight, whole, under its Hugging Face name, in state-dict order, one at a time.
+        """Every weight, whole, under its Hugging Face name, in state-dict order, one at a time; with
+        LoRA merged with the adapter as it is now.
 
         On sharded engines each ``full_tensor`` is a collective: every rank iterates to the end.
         """
-        for name, tensor in self._initialized().state_dict().items():
+        module = self._initialized()
+        if self.config.model.lora:
+            yield from merged_params(module, self.full_tensor)
+            return
+        for name, tensor in module.state_dict().items():
             yield name, self.full_tensor(tensor.detach())
 
     def save_hf_model(self, path: str) -> None:
+        """The Hugging Face export; with LoRA the merged model, and the adapter in ``lora_adapter/``."""
+        module = self._initialized()
+        write_adapter = None
+        if self.config.model.lora:
+            adapter = adapter_params(module, self.full_tensor)  # a collective: every rank gathers
+            module = module.get_base_model()  # the config and file layout of the merged model
+
+            def write_adapter(staging: Path) -> None:
+                save_adapter(self.module, adapter, staging / LORA_ADAPTER_DIR)
+
         save_hf_model_from_params(
-            self._initialized(),
+            module,
             self.get_per_tensor_param(),
             path,
             rank=self.dp_rank,
             group=self.dp_group,
             tokenizer_source=self.config.model.path,
+            also_write=write_adapter,
         )
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def checkpointed_state(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The entries of a model state dict (``module``'s names) that checkpoints hold: all of them;
+        with LoRA the adapter's only, as the base weights are ``config.model.path``'s and never change."""
+        if not self.config.model.lora:
+            return state_dict
+        trainable = {
+            name for name, parameter in self._initialized().named_parameters() if parameter.requires_grad
+        }
+        return {name: value for name, value in state_dict.items() if name in trainable}
 
     # -- helpers ---------------------------------------------------------------------------------
 

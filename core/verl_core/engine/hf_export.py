@@ -5,7 +5,7 @@ tokenizer files beside it, and ``save_hf_model`` for any engine from its per-ten
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,15 +44,19 @@ def export_hf_model(
     path: str | Path,
     state_dict: dict[str, torch.Tensor] | None = None,
     tokenizer_source: str | Path | None = None,
+    also_write: Callable[[Path], None] | None = None,
 ) -> None:
     """Write ``model`` (or ``state_dict``, e.g. gathered from shards) as a Hugging Face safetensors
     directory, with the tokenizer files of ``tokenizer_source`` when it has any. Call on one rank.
+    ``also_write(folder)`` adds files of its own (a LoRA adapter) to the folder before it appears.
 
     The directory appears complete or not at all (a crash mid-write leaves no half-written model for
     a later run to load); an earlier export at ``path`` is replaced.
     """
     with atomic_directory(path, replaceable=HF_CONFIG_FILE) as staging:
         model.save_pretrained(staging, state_dict=state_dict)
+        if also_write is not None:
+            also_write(staging)
         if tokenizer_source is not None:
             for name in TOKENIZER_FILES:
                 source = Path(tokenizer_source) / name
@@ -68,6 +72,7 @@ def save_hf_model_from_params(
     rank: int,
     group: ProcessGroup | None = None,
     tokenizer_source: str | Path | None = None,
+    also_write: Callable[[Path], None] | None = None,
 ) -> None:
     """``save_hf_model`` for any engine: a collective over ``group``, every rank returns once the
     export exists.
@@ -83,5 +88,7 @@ def save_hf_model_from_params(
         if keep:
             state_dict[name] = tensor.detach().to("cpu")
     if keep:
-        export_hf_model(model, path, state_dict=state_dict, tokenizer_source=tokenizer_source)
+        export_hf_model(
+            model, path, state_dict=state_dict, tokenizer_source=tokenizer_source, also_write=also_write
+        )
     barrier(group)  # no rank returns before the export exists

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from verl_core.config.engine import MicroBatchConfig
 from verl_core.data.batch import ENTROPY, LOG_PROBS, VALUES
-from verl_core.testing import state_checks
+from verl_core.testing import lora_checks, state_checks
 from verl_core.testing.context import (
     BASE_MICRO_BATCH,
     BASE_OPTIM,
@@ -243,6 +243,13 @@ CHECKS: dict[str, Check] = {
             "hf_export",
             state_checks.check_hf_export,
             "save_hf_model: from_pretrained gets the trained weights and the engine's log-probs",
+        ),
+        Check(
+            "lora",
+            lora_checks.check_lora,
+            "with a rank-4 adapter (backends declaring lora=True), after a step: reference() gives the base "
+            "model's log-probs, the weight export is the model the engine runs, only low-rank changes, and "
+            "a checkpoint restores the adapter bitwise",
         ),
         Check(
             "offload",

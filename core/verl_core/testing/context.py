@@ -143,14 +143,16 @@ class RankContext:
         optim: OptimConfig = BASE_OPTIM,
         micro_batch: MicroBatchConfig = BASE_MICRO_BATCH,
         dirs: ModelDirs | None = None,
+        model: Mapping[str, Any] | None = None,
         **flags: Any,
     ) -> BaseEngine:
-        """A fresh, initialised engine of the backend under test, found through the registry."""
+        """A fresh, initialised engine of the backend under test, found through the registry.
+        ``model``: further ``ModelConfig`` fields (LoRA's)."""
         from verl_core.engine import build_engine
 
         config = EngineConfig(
             backend=self.backend,
-            model=ModelConfig(path=(dirs or self.dirs).for_role(role), dtype="float32"),
+            model=ModelConfig(path=(dirs or self.dirs).for_role(role), dtype="float32", **(model or {})),
             options=copy.deepcopy(self.options),
             optim=optim,
             micro_batch=micro_batch,

@@ -18,12 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
+from verl_core.config.engine import EngineConfig
 from verl_core.config.run import RunConfig
 from verl_core.config.validators import each_rule
 from verl_core.data.files import read_file
 from verl_core.engine.checkpoint import CheckpointError
 from verl_core.engine.integrity import file_problem
-from verl_core.errors import ConfigError, DataError
+from verl_core.errors import ConfigError, DataError, VerlCoreError
 from verl_core.trainer import checkpoints
 
 #: Which trainer a config is for: ``verl-core train`` (``rl``) or ``verl-core sft``.
@@ -45,6 +46,7 @@ def check_run(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]
     yield from each_rule(
         lambda: _datasets(config, kind),
         lambda: _models(config, kind),
+        lambda: _adapters(config, kind),
         lambda: _checkpoint_dir(config, kind),
         lambda: _writable("trainer.run_dir", config.trainer.run_dir),
         lambda: _loggers(config),
@@ -101,14 +103,42 @@ def _without_key(message: str, key: str) -> str:
 # -- models ---------------------------------------------------------------------------------------------
 
 
-def _model_paths(config: RunConfig) -> dict[str, str]:
-    """Each engine section the run builds -> its model folder (the reference only with a KL term)."""
-    paths = {"actor.engine.model.path": config.actor.engine.model.path}
+def _engine_sections(config: RunConfig) -> dict[str, EngineConfig]:
+    """Each engine section the run builds (the reference only with a KL term), by its config path."""
+    sections = {"actor.engine": config.actor.engine}
     if config.uses_kl and config.ref.engine is not None:
-        paths["ref.engine.model.path"] = config.ref.engine.model.path
+        sections["ref.engine"] = config.ref.engine
     if config.critic.enable and config.critic.engine is not None:
-        paths["critic.engine.model.path"] = config.critic.engine.model.path
-    return paths
+        sections["critic.engine"] = config.critic.engine
+    return sections
+
+
+def _model_paths(config: RunConfig) -> dict[str, str]:
+    """Each engine section the run builds -> its model folder."""
+    return {f"{where}.model.path": engine.model.path for where, engine in _engine_sections(config).items()}
+
+
+def _adapters(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]:
+    """LoRA on backends that train it (``EngineBackend(lora=True)``), and the adapters the engines
+    start from (``model.lora_adapter_path``)."""
+    from verl_core.engine.factory import lora_refusal
+    from verl_core.plugins import get_registry
+
+    for where, engine in _engine_sections(config).items():
+        if engine.model.lora:
+            try:
+                refusal = lora_refusal(engine, get_registry(), where)
+            except VerlCoreError:  # the backend cannot be used: the config load reports why
+                refusal = None
+            if refusal is not None:
+                yield refusal
+        if engine.model.lora_adapter_path is not None:
+            from verl_core.engine.lora import check_adapter_dir
+
+            try:
+                check_adapter_dir(engine.model.lora_adapter_path, f"{where}.model.lora_adapter_path")
+            except ConfigError as error:
+                yield from error.errors
 
 
 def _models(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]:

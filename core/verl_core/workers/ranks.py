@@ -1,7 +1,8 @@
 """The rank side of the roles: what one process of a role's worker group holds and does.
 
 ``ActorWorker`` holds the policy engine (role ``lm``), its rollout in the same process, and, when a KL
-term needs it, the reference policy (an engine that never steps its optimiser); ``CriticWorker`` holds
+term needs it, the reference policy (an engine that never steps its optimiser, or the policy's own
+engine when it ``serves_reference``: LoRA's base model); ``CriticWorker`` holds
 a value engine; ``SFTWorker`` the policy engine alone, for supervised fine-tuning. Each method works
 on this rank's share of a batch and is called on every rank of the group together (the engines'
 collectives line up); ``verl_core.workers.roles`` splits batches and collects results. Every update
@@ -94,9 +95,11 @@ class ActorWorker:
         # Resolved once, in this worker's registry (an in-process run may pass its own).
         self.policy_loss = get_policy_loss(config.actor.policy_loss.loss_mode, registry)
         self.policy = build_engine(config.actor.engine, "lm", registry, config_path="actor.engine")
-        # The reference never steps: it exists only when a KL term reads its log-probs.
+        # The reference never steps: it exists only when a KL term reads its log-probs, and is the
+        # policy's own engine when that serves it (LoRA: the adapter disabled), unless ref.engine is set.
         self.ref = None
-        if config.uses_kl:
+        self.ref_in_policy = config.uses_kl and config.ref.engine is None and self.policy.serves_reference
+        if config.uses_kl and not self.ref_in_policy:
             ref_path = "ref.engine" if config.ref.engine is not None else "actor.engine"
             self.ref = build_engine(config.ref_engine, "lm", registry, config_path=ref_path)
         entry = registry.entry(ROLLOUT_BACKENDS, config.rollout.backend, where="rollout.backend")
@@ -138,6 +141,9 @@ class ActorWorker:
         return self._log_probs(self.policy, batch)
 
     def compute_ref_log_probs(self, batch: TensorDict) -> torch.Tensor | None:
+        if self.ref_in_policy:
+            with self.policy.reference():
+                return self._log_probs(self.policy, batch)
         if self.ref is None:
             raise RuntimeError(
                 "no reference policy: no KL term is on (actor.policy_loss.use_kl_loss, algorithm.use_kl_in_reward)"

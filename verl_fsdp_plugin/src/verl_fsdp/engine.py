@@ -23,6 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from tensordict import TensorDict
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -188,7 +189,8 @@ class FSDPEngine(HFEngine):
         with atomic_checkpoint(
             path, global_step=global_step, backend=BACKEND, group=self.dp_group
         ) as staging:
-            dcp.save(get_model_state_dict(model), checkpoint_id=staging / MODEL_DIR, **self._dcp_group())
+            model_state = self.checkpointed_state(get_model_state_dict(model))  # LoRA: the adapter only
+            dcp.save(model_state, checkpoint_id=staging / MODEL_DIR, **self._dcp_group())
             # Before the first step the state is empty, and torch would fill it with a zero step
             # just to save it, changing the next real step's bias correction.
             if self.optimizer.state:
@@ -206,9 +208,12 @@ class FSDPEngine(HFEngine):
         model = self._initialized()
         directory, info = open_checkpoint(path, backend=BACKEND)
         with reading_checkpoint(directory, self.config.model.path):
-            model_state = get_model_state_dict(model)
+            model_state = self.checkpointed_state(get_model_state_dict(model))
             dcp.load(model_state, checkpoint_id=directory / MODEL_DIR, **self._dcp_group())
-            set_model_state_dict(model, model_state)
+            # With LoRA the base weights are not in the checkpoint: they stay as loaded.
+            set_model_state_dict(
+                model, model_state, options=StateDictOptions(strict=not self.config.model.lora)
+            )
             if (directory / OPTIMIZER_DIR).is_dir():
                 # The template gets its state from a zero step with lr 0; the load replaces all of it.
                 optimizer_state = get_optimizer_state_dict(model, self.optimizer)

@@ -6,8 +6,9 @@ offloads, exports weights and writes the Hugging Face export; what is DDP-specif
 
 - ``wrap_model``: ``DistributedDataParallel`` at world size > 1 (it broadcasts rank 0's weights);
 - ``no_sync``: DDP's ``no_sync`` between micro-batches, so gradients are all-reduced once a step;
-- checkpoints: replicas are identical, so rank 0 writes the model, optimiser and schedule with
-  ``torch.save`` into the directory ``atomic_checkpoint`` publishes, and every rank its RNG state.
+- checkpoints: replicas are identical, so rank 0 writes the model (with LoRA the adapter only:
+  ``checkpointed_state``), optimiser and schedule with ``torch.save`` into the directory
+  ``atomic_checkpoint`` publishes, and every rank its RNG state.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class DDPEngine(HFEngine):
             path, global_step=global_step, backend=BACKEND, group=self.dp_group
         ) as staging:
             if self.dp_rank == 0:  # replicas are identical: one copy of the state suffices
-                torch.save(module.state_dict(), staging / MODEL_FILE)
+                torch.save(self.checkpointed_state(module.state_dict()), staging / MODEL_FILE)
                 torch.save(self.optimizer.state_dict(), staging / OPTIMIZER_FILE)
                 torch.save(self.lr_scheduler.state_dict(), staging / LR_SCHEDULER_FILE)
             save_rng_state(staging, self.dp_rank)
@@ -81,7 +82,11 @@ class DDPEngine(HFEngine):
         module = self._initialized()
         directory, info = open_checkpoint(path, backend=BACKEND)
         load_model_state(
-            module, load_checkpoint_file(directory, MODEL_FILE), directory, self.config.model.path
+            module,
+            load_checkpoint_file(directory, MODEL_FILE),
+            directory,
+            self.config.model.path,
+            only=self.checkpointed_state(module.state_dict()).keys() if self.config.model.lora else None,
         )
         self.optimizer.load_state_dict(load_checkpoint_file(directory, OPTIMIZER_FILE))
         move_optimizer_state(self.optimizer, self.optimizer_device)  # loading moves state to the params

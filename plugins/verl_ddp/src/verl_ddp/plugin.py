@@ -19,6 +19,7 @@ def verl_engine_backends() -> list[EngineBackend]:
             roles=("lm", "value"),
             devices=("cpu", "cuda"),
             api_version=1,  # the engine API this engine implements: a core speaking another refuses it
+            lora=True,  # HFEngine's LoRA (docs/lora.md)
             description="torch DistributedDataParallel: full replicas, gloo on CPU, NCCL on GPU",
         )
     ]

@@ -1,0 +1,387 @@
+"""LoRA through core's HFEngine toolkit (docs/lora.md): the config and its refusals, one step against an
+independent peft computation, the kit's ``lora`` check on the DDP engine and on broken variants of it,
+and GRPO with an adapter in process (exports that transformers and peft load). The 2-rank FSDP run
+under Ray is in test_trainer_ray.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import attrs
+import peft
+import pytest
+import torch
+from fixtures.demo import run_overrides
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from verl_core import EngineBackend, hookimpl
+from verl_core.config import load_config, structure
+from verl_core.config.engine import EngineConfig, ModelConfig
+from verl_core.data.batch import COMPUTE_ENTROPY, LOG_PROBS, TEMPERATURE
+from verl_core.engine import build_engine, build_lr_scheduler, build_optimizer
+from verl_core.engine.lora import LORA_ADAPTER_DIR, hf_name
+from verl_core.errors import ConfigError
+from verl_core.plugins import Registry
+from verl_core.testing.context import BASE_OPTIM, RankContext, exported, infer, train_step
+from verl_core.testing.lora_checks import LORA_MODEL, check_lora
+from verl_core.testing.losses import TEMPERATURE as KIT_TEMPERATURE
+from verl_core.testing.reference import load_reference_model, reference_loss
+from verl_core.testing.tiny import collate, make_samples, save_tiny_models
+from verl_core.trainer.rl import RLTrainer
+from verl_ddp import plugin as ddp_plugin
+from verl_ddp.engine import DDPEngine
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return save_tiny_models(tmp_path_factory.mktemp("tiny"))
+
+
+def lora_engine(path, role="lm", config_path="actor.engine", backend="ddp", optim=BASE_OPTIM, **model):
+    config = EngineConfig(
+        backend=backend,
+        model=ModelConfig(path=str(path), **(LORA_MODEL | model)),
+        optim=optim,
+        device="cpu",
+    )
+    return build_engine(config, role, config_path=config_path)
+
+
+# -- config ------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rank=st.integers(-3, 64),
+    alpha=st.integers(-2, 64),
+    dropout=st.floats(-0.5, 1.5, allow_nan=False),
+    targets=st.one_of(
+        st.sampled_from(["all-linear", "q_proj", ""]),
+        st.lists(st.sampled_from(["q_proj", "v_proj", ""]), max_size=3),
+        st.integers(0, 3),
+    ),
+)
+def test_lora_keys_are_validated_and_every_error_names_its_key(rank, alpha, dropout, targets) -> None:
+    expected = {
+        "lora_rank": rank < 0,
+        "lora_alpha": alpha <= 0,
+        "lora_dropout": not 0 <= dropout < 1,
+        "target_modules": not isinstance(targets, (str, list))
+        or targets in ("", [])
+        or (isinstance(targets, list) and "" in targets),
+    }
+    raw = {
+        "path": "m",
+        "lora_rank": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": targets,
+    }
+    try:
+        config = structure(raw, ModelConfig)
+    except ConfigError as error:
+        keys = {path.split("[")[0].split(".")[-1] for path, _ in error.errors}
+        assert keys == {key for key, bad in expected.items() if bad}
+    else:
+        assert not any(expected.values())
+        assert config.lora == (rank > 0) and config.target_modules == targets
+
+
+def test_unknown_target_modules_are_refused_with_the_layers_the_model_has(dirs) -> None:
+    engine = lora_engine(dirs.lm, target_modules=["q_proj", "qkv"])
+    with pytest.raises(ConfigError) as error:
+        engine.initialize()
+    ((path, message),) = error.value.errors
+    assert path == "actor.engine.model.target_modules"
+    assert "['qkv']" in message and "'o_proj'" in message and "'down_proj'" in message
+
+
+def test_an_adapter_on_an_lm_head_tied_to_the_embeddings_is_refused(dirs, tmp_path) -> None:
+    config = AutoConfig.from_pretrained(dirs.lm)
+    config.tie_word_embeddings = True
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tied")
+    engine = lora_engine(tmp_path / "tied", target_modules=["q_proj", "lm_head"])
+    with pytest.raises(ConfigError, match="'lm_head' is tied to the input embeddings"):
+        engine.initialize()
+    untied = lora_engine(dirs.lm, target_modules=["lm_head"])  # its own weight: merged like any layer
+    untied.initialize()
+    assert [name for name, _ in exported(untied)] == list(
+        AutoModelForCausalLM.from_pretrained(dirs.lm).state_dict()
+    )
+
+
+def test_a_critic_and_a_backend_without_lora_are_refused_by_key(dirs) -> None:
+    critic = lora_engine(dirs.value, role="value", config_path="critic.engine")
+    with pytest.raises(ConfigError) as error:
+        critic.initialize()  # refused before the model loads
+    assert error.value.errors[0][0] == "critic.engine.model.lora_rank"
+    assert "head starts untrained" in error.value.errors[0][1]
+    critic_config = f"{{backend: ddp, model: {{path: {dirs.value}, lora_rank: 8}}}}"
+    with pytest.raises(ConfigError) as error:  # and before anything starts, in a run config
+        load_config(
+            [],
+            [
+                "actor.engine.backend=ddp",
+                f"actor.engine.model.path={dirs.lm}",
+                "critic.enable=true",
+                f"critic.engine={critic_config}",
+                "algorithm.adv_estimator=gae",
+            ],
+        )
+    assert "critic.engine.model.lora_rank" in dict(error.value.errors)
+    with pytest.raises(ConfigError) as error:
+        lora_engine(dirs.lm, backend="megatron")
+    ((path, message),) = error.value.errors
+    assert path == "actor.engine.model.lora_rank"
+    assert "megatron-core's tensor-parallel" in message and "'ddp'" in message and "'fsdp'" in message
+
+
+def test_lora_on_a_backend_without_it_is_refused_before_the_run_starts(demo, tmp_path) -> None:
+    from verl_core.trainer.preflight import check_run
+
+    changes = {"actor.engine.backend": "megatron", "actor.engine.model.lora_rank": 8}
+    problems = dict(check_run(load_config([], run_overrides(demo, tmp_path, **changes)), "rl"))
+    assert "does not train LoRA adapters" in problems["actor.engine.model.lora_rank"]
+
+
+# -- one step against peft ---------------------------------------------------------------------------
+
+
+def test_one_step_trains_only_the_adapter_as_a_peft_model_and_adamw_would(dirs, tmp_path) -> None:
+    samples = make_samples(seed=1)
+    batch = collate(samples)
+    batch.set_non_tensor(TEMPERATURE, KIT_TEMPERATURE)
+    batch.set_non_tensor(COMPUTE_ENTROPY, True)
+    optim = attrs.evolve(BASE_OPTIM, clip_grad=0.1)  # the first norm is ~0.3: clipping acts
+    engine = lora_engine(dirs.lm, optim=optim)
+    engine.initialize()
+    trainable = {name for name, p in engine.module.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in name or ".lora_B." in name for name in trainable)
+    metrics = train_step(engine, batch)
+
+    # Independently: peft on the plain HF model (seeded as the engine seeds its adapter), torch's
+    # AdamW over the adapter, the kit's token-mean loss, clipping to clip_grad; peft's own merge.
+    torch.manual_seed(0)
+    model = peft.get_peft_model(
+        load_reference_model(dirs.lm, "lm"),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0),
+    )
+    adapter = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        adapter, lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay
+    )
+    model.train()
+    loss = reference_loss(model, samples, "lm", KIT_TEMPERATURE)
+    loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(adapter, optim.clip_grad))
+    optimizer.step()
+    assert metrics["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
+    assert metrics["grad_norm"] == pytest.approx(grad_norm, rel=1e-5) and grad_norm > optim.clip_grad
+    merged = model.merge_and_unload().state_dict()
+    for name, tensor in exported(engine):
+        torch.testing.assert_close(tensor, merged[name], atol=1e-6, rtol=0)
+
+    # Optimiser state: two AdamW moments of the adapter, nothing of the base model.
+    adapter_numel = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    moments = sum(t.numel() for s in engine.optimizer.state.values() for k, t in s.items() if k != "step")
+    assert moments == 2 * adapter_numel
+    assert adapter_numel < sum(p.numel() for p in engine.module.parameters()) / 4  # the tiny model: 13%
+
+    # The checkpoint holds the adapter only; a full fine-tuning engine refuses it, naming the model.
+    engine.save_checkpoint(str(tmp_path / "checkpoint"), global_step=1)
+    saved = torch.load(tmp_path / "checkpoint" / "model.pt", weights_only=True)
+    assert set(saved) == trainable
+    full = build_engine(EngineConfig(backend="ddp", model=ModelConfig(path=str(dirs.lm)), device="cpu"))
+    full.initialize()
+    with pytest.raises(Exception, match="another model"):
+        full.load_checkpoint(str(tmp_path / "checkpoint"))
+
+
+def test_peft_names_lose_their_prefixes() -> None:
+    assert hf_name("base_model.model.model.layers.0.mlp.up_proj.base_layer.weight") == (
+        "model.layers.0.mlp.up_proj.weight"
+    )
+    assert hf_name("base_model.model.lm_head.weight") == "lm_head.weight"
+
+
+# -- the kit's lora check, and broken engines it fails ------------------------------------------------
+
+
+class ReferenceWithAdapterEngine(DDPEngine):
+    """The reference context forgets to disable the adapter: KL to the current policy, always 0."""
+
+    def reference(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+class StaleMergeEngine(DDPEngine):
+    """verl #7014: the export is a generator consumed after the merged view was dropped: base weights."""
+
+    def get_per_tensor_param(self):
+        for name, tensor in self.module.state_dict().items():
+            if ".lora_" not in name:
+                yield hf_name(name), tensor.detach()
+
+
+class BaseTrainedEngine(DDPEngine):
+    """The base weights stay trainable: the optimiser steps all of them."""
+
+    def initialize(self) -> None:
+        super().initialize()
+        for parameter in self.module.parameters():
+            parameter.requires_grad_(True)
+        self.optimizer = build_optimizer(self.model.parameters(), self.config.optim)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, self.config.optim)
+
+
+BROKEN = {
+    "ref-with-adapter": (ReferenceWithAdapterEngine, "reference() log-probs after a step"),
+    "stale-merge": (StaleMergeEngine, "log-probs of the HF model loaded with the weight export"),
+    "base-trained": (BaseTrainedEngine, "weights changed only through the adapter (base weights frozen)"),
+}
+
+
+@hookimpl
+def verl_engine_backends():
+    module = sys.modules[__name__].__name__
+    return [
+        EngineBackend(
+            name=name,
+            engine=f"{module}:{engine.__name__}",
+            config="verl_ddp.config:DDPConfig",
+            api_version=1,
+            lora=True,
+        )
+        for name, (engine, _) in BROKEN.items()
+    ]
+
+
+def kit_context(backend, dirs, tmp_path) -> RankContext:
+    registry = Registry.from_plugins([ddp_plugin, sys.modules[__name__]])
+    return RankContext(backend, ("lm",), None, registry, 0, 1, "cpu", dirs, tmp_path)
+
+
+def test_the_kit_lora_check_passes_the_ddp_engine(dirs, tmp_path) -> None:
+    comparisons = check_lora(kit_context("ddp", dirs, tmp_path))
+    assert len(comparisons) == 11 and all(c.passed for c in comparisons), [c.describe() for c in comparisons]
+
+
+@pytest.mark.parametrize("backend", list(BROKEN))
+def test_the_kit_lora_check_fails_a_broken_engine_where_it_is_broken(backend, dirs, tmp_path) -> None:
+    failed = [c.quantity for c in check_lora(kit_context(backend, dirs, tmp_path)) if not c.passed]
+    assert BROKEN[backend][1] in failed
+
+
+# -- GRPO with an adapter, in process -----------------------------------------------------------------
+
+
+def vocab_size_of(path) -> int:
+    return AutoConfig.from_pretrained(path).vocab_size
+
+
+def test_grpo_with_lora_in_process_exports_a_merged_model_and_an_adapter_that_load(demo, tmp_path) -> None:
+    overrides = run_overrides(
+        demo,
+        tmp_path,
+        **{
+            "actor.engine.model.lora_rank": 8,
+            "actor.engine.optim.lr": 1e-2,
+            "actor.policy_loss.use_kl_loss": "true",
+            "trainer.save_hf_model": "true",
+        },
+    )
+    trainer = RLTrainer.from_config(load_config([], overrides), show_progress=False)
+    worker = trainer.actor.group.worker
+    assert worker.ref is None and worker.ref_in_policy  # no second model: the base is the reference
+    reference_calls = []
+    compute_ref = trainer.actor.compute_ref_log_probs
+    trainer.actor.compute_ref_log_probs = lambda batch: reference_calls.append(1) or compute_ref(batch)
+    final = trainer.fit()
+    assert reference_calls and final["actor/grad_norm"] > 0 and math.isfinite(final["actor/kl_loss"])
+
+    samples = make_samples(seed=2, vocab_size=vocab_size_of(demo.model))[:4]
+    batch = collate(samples)
+    batch.set_non_tensor(TEMPERATURE, 1.0)
+    trained = infer(worker.policy, batch)[LOG_PROBS]
+    with worker.policy.reference():
+        base = infer(worker.policy, batch)[LOG_PROBS]
+    export = tmp_path / "run" / "hf_model"
+
+    def log_probs_of(model):
+        from verl_core.testing.reference import reference_outputs
+
+        return reference_outputs(model, samples, "lm", 1.0)[LOG_PROBS]
+
+    mask = batch["response_mask"].bool()
+    merged = AutoModelForCausalLM.from_pretrained(export)
+    torch.testing.assert_close(log_probs_of(merged)[mask], trained[mask], atol=1e-5, rtol=0)
+    adapted = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(demo.model), export / LORA_ADAPTER_DIR
+    )
+    torch.testing.assert_close(log_probs_of(adapted)[mask], trained[mask], atol=1e-5, rtol=0)
+    assert (trained - base)[mask].abs().max() > 1e-4  # the adapter trained
+
+    # Starting from the exported adapter: the trained policy, and the base model as its reference.
+    resumed = build_engine(
+        EngineConfig(
+            backend="ddp",
+            model=ModelConfig(path=str(demo.model), lora_adapter_path=str(export / LORA_ADAPTER_DIR)),
+            device="cpu",
+        )
+    )
+    resumed.initialize()
+    torch.testing.assert_close(infer(resumed, batch)[LOG_PROBS][mask], trained[mask], atol=1e-5, rtol=0)
+    with resumed.reference():
+        torch.testing.assert_close(infer(resumed, batch)[LOG_PROBS][mask], base[mask], atol=1e-5, rtol=0)
+
+
+def test_a_missing_adapter_is_reported_before_the_run_starts(demo, tmp_path) -> None:
+    from verl_core.trainer.preflight import check_run
+
+    overrides = run_overrides(demo, tmp_path, **{"actor.engine.model.lora_adapter_path": str(tmp_path)})
+    problems = dict(check_run(load_config([], overrides), "rl"))
+    assert "holds no adapter_config.json" in problems["actor.engine.model.lora_adapter_path"]
+
+
+def test_the_adapter_has_the_base_models_dtype(dirs) -> None:
+    """FSDP2 shards one dtype per unit: peft's float32 adapters on a bfloat16 model would not shard."""
+    engine = lora_engine(dirs.lm, dtype="bfloat16")
+    engine.initialize()
+    assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
+
+
+def test_a_lora_run_resumed_from_its_checkpoint_continues_exactly(demo, tmp_path) -> None:
+    """Step 2 after resuming from step 1's adapter checkpoint is bitwise the uninterrupted run's: the
+    adapter, its optimiser state, the rollout's merged weights (a stale sync would sample otherwise)."""
+    changes = {
+        "actor.engine.model.lora_rank": 8,
+        "actor.engine.optim.lr": 1e-2,
+        "actor.policy_loss.use_kl_loss": "true",
+        "trainer.save_freq": 1,
+    }
+
+    def run(folder, steps):
+        overrides = run_overrides(
+            demo, tmp_path / folder, **changes, **{"trainer.total_training_steps": steps}
+        )
+        trainer = RLTrainer.from_config(load_config([], overrides), show_progress=False)
+        return trainer, trainer.fit()
+
+    straight, expected = run("straight", 2)
+    run("resumed", 1)
+    resumed, final = run("resumed", 2)
+    lines = (tmp_path / "resumed" / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]  # the second run took step 2 only
+    for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/kl_loss"):
+        assert final[key] == expected[key], key
+    weights = dict(straight.actor.group.worker.policy.get_per_tensor_param())
+    for name, tensor in resumed.actor.group.worker.policy.get_per_tensor_param():
+        assert torch.equal(tensor, weights[name]), name

@@ -117,6 +117,10 @@ DEFECTS = {
 }
 
 
+#: The contract tests that start a fresh interpreter (``PluginContract.fresh_process``).
+FRESH_PROCESS_TESTS = ("test_listing_imports_nothing_heavy", "test_uses_no_deprecated_api")
+
+
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict:
     """(class, test) -> PASSED/FAILED/ERROR/SKIPPED of one pytest run over every fake distribution,
@@ -126,6 +130,10 @@ def outcomes(tmp_path_factory) -> dict:
         classes = [install(dists, backend, **changes) for backend, (_, changes) in DEFECTS.items()]
         test_file = tmp_path / "test_fake_plugins.py"
         test_file.write_text("from verl_core.testing import PluginContract\n" + "\n".join(classes))
+        # The tests that read a fresh interpreter (one per class, seconds each) run where they are the
+        # point: on the good distribution and on the defects they must catch.
+        fresh = " or ".join(FRESH_PROCESS_TESTS)
+        selected = f"Test_good or Test_heavy or Test_deprecated or not ({fresh})"
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(dists.site), os.environ.get("PYTHONPATH", "")]),
@@ -141,6 +149,8 @@ def outcomes(tmp_path_factory) -> dict:
                 "-rA",
                 "-p",
                 "no:cacheprovider",
+                "-k",
+                selected,
                 "-W",
                 "ignore",
             ],

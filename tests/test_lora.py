@@ -150,6 +150,18 @@ def test_lora_on_a_backend_without_it_is_refused_before_the_run_starts(demo, tmp
     assert "does not train LoRA adapters" in problems["actor.engine.model.lora_rank"]
 
 
+def test_unknown_target_modules_are_refused_before_the_run_starts(demo, tmp_path) -> None:
+    from verl_core.trainer.preflight import check_run
+
+    def problems(targets: str) -> dict[str, str]:
+        changes = {"actor.engine.model.lora_rank": 8, "actor.engine.model.target_modules": targets}
+        return dict(check_run(load_config([], run_overrides(demo, tmp_path, **changes)), "rl"))
+
+    message = problems("[q_prj]")["actor.engine.model.target_modules"]
+    assert "['q_prj'] name no linear layer of Qwen2ForCausalLM; it has ['down_proj'" in message
+    assert "actor.engine.model.target_modules" not in problems("[q_proj, v_proj]")
+
+
 # -- one step against peft ---------------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
-from verl_core.config.engine import EngineConfig
+from verl_core.config.engine import EngineConfig, ModelConfig
 from verl_core.config.run import RunConfig
 from verl_core.config.validators import each_rule
 from verl_core.data.files import read_file
@@ -132,6 +132,7 @@ def _adapters(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]
                 refusal = None
             if refusal is not None:
                 yield refusal
+            yield from _target_modules(engine.model, f"{where}.model")
         if engine.model.lora_adapter_path is not None:
             from verl_core.engine.lora import check_adapter_dir
 
@@ -139,6 +140,26 @@ def _adapters(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]
                 check_adapter_dir(engine.model.lora_adapter_path, f"{where}.model.lora_adapter_path")
             except ConfigError as error:
                 yield from error.errors
+
+
+def _target_modules(model: ModelConfig, where: str) -> Iterator[tuple[str, str]]:
+    """``model.target_modules`` against the layers of the model's architecture, built on the meta
+    device from its config.json (no weights read); ``all-linear`` fits every model."""
+    from verl_core.engine.lora import ALL_LINEAR
+
+    if model.target_modules == ALL_LINEAR or model.lora_adapter_path is not None:
+        return  # a loaded adapter brings its own target modules
+    from verl_core.engine.hf import load_hf_model
+    from verl_core.engine.lora import check_target_modules
+
+    try:
+        skeleton = load_hf_model(model, where=where, on_meta=True)
+    except Exception:  # the model folder's own problem: reported by the model checks
+        return
+    try:
+        check_target_modules(skeleton, model.target_modules, f"{where}.target_modules")
+    except ConfigError as error:
+        yield from error.errors
 
 
 def _models(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]:

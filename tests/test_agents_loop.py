@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fixtures.chat import COUNTING, END, START, build_chat_model_dir, build_chat_tokenizer
+from fixtures.chat import COUNTING, END, START, build_chat_model_dir, build_chat_tokenizer, scripted_generate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -59,30 +59,6 @@ class ScriptedEnvironment:
         answer = self.answers[self.turn]
         self.turn += 1
         return StepResult(observation=answer)
-
-
-def scripted_generate(replies: list[list[list[int]]]):
-    """A rollout that answers conversation ``i``'s ``k``-th turn with ``replies[i][k]``, log-prob -(id)."""
-    turns = [0] * len(replies)
-
-    def generate(prompts, sampling, seed) -> TensorDict:
-        active = [i for i in range(len(replies)) if turns[i] < len(replies[i])]
-        assert len(active) == len(prompts)
-        out = [replies[i][turns[i]][: sampling.max_new_tokens] for i in active]
-        for i in active:
-            turns[i] += 1
-        width = max(len(ids) for ids in out)
-        responses = torch.zeros(len(out), width, dtype=torch.int64)
-        mask = torch.zeros_like(responses)
-        for row, ids in enumerate(out):
-            responses[row, : len(ids)] = torch.tensor(ids)
-            mask[row, : len(ids)] = 1
-        prompt_ids, prompt_mask = left_pad([list(p) for p in prompts], 0)
-        batch = join_prompts_and_responses(prompt_ids, prompt_mask, responses, mask)
-        batch[ROLLOUT_LOG_PROBS] = -responses.float() * mask
-        return batch
-
-    return generate
 
 
 def model_spans_of(ids: list[int]) -> list[int]:

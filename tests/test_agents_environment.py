@@ -184,3 +184,19 @@ def _run_config(**agent):
         actor=ActorConfig(engine=EngineConfig(backend="ddp", model=ModelConfig(path="unused"))),
         rollout=attrs.evolve(RolloutConfig(), agent=AgentConfig(**agent), response_length=64),
     )
+
+
+def test_a_config_naming_an_unknown_environment_is_refused_at_load() -> None:
+    from verl_core.config import load_config
+    from verl_core.errors import ConfigError
+
+    base = [
+        "actor.engine.backend=ddp",
+        "actor.engine.model.path=x",
+        "algorithm.adv_estimator=grpo",
+        "rollout.n=2",
+    ]
+    with pytest.raises(ConfigError, match=r"rollout\.agent\.environment: Unknown environment 'tols'"):
+        load_config([], [*base, "rollout.agent.environment=tols"])
+    loaded = load_config([], [*base, "rollout.agent.environment=tools", "rollout.agent.tools=t.py"])
+    assert loaded.rollout.agent == AgentConfig(environment="tools", tools="t.py")

@@ -96,3 +96,6 @@ def test_a_training_step_with_an_environment(tmp_path, estimator) -> None:
         json.loads(line) for line in validation_samples_path(tmp_path / "run", 1).read_text().splitlines()
     ]
     assert samples and all("again" in sample["response"] for sample in samples)  # whole conversations
+    first = samples[0]["turns"]  # marked by who wrote them, special tokens kept
+    assert list(first[0]) == ["model"] and list(first[1]) == ["environment"]
+    assert "<|im_start|>user\nagain<|im_end|>" in first[1]["environment"]

@@ -12,7 +12,7 @@ from tensordict import TensorDict
 from verl_core.agents.loop import AgentLoop, Generate
 from verl_core.agents.template import TurnTemplate
 from verl_core.config.run import RunConfig
-from verl_core.data.batch import ENVIRONMENT_REWARDS
+from verl_core.data.batch import ATTENTION_MASK, ENVIRONMENT_REWARDS, RESPONSE_MASK, RESPONSES
 from verl_core.hookspecs import ENVIRONMENTS
 from verl_core.rollout.base import SamplingParams
 
@@ -61,3 +61,21 @@ def run_conversations(
         [float("nan") if c.reward is None else float(c.reward) for c in conversations]
     )
     return batch
+
+
+def turns(tokenizer: Any, batch: TensorDict, row: int) -> list[dict[str, str]]:
+    """Response ``row`` of ``batch`` as its turns, for sample logs: each run of model tokens
+    (``{"model": text}``) and of environment tokens (``{"environment": text}``, the template's turn
+    boundaries with the environment's messages), decoded with special tokens kept."""
+    width = batch[RESPONSES].shape[-1]
+    length = int(batch[ATTENTION_MASK][row, -width:].sum())
+    ids = batch[RESPONSES][row, :length].tolist()
+    from_model = batch[RESPONSE_MASK][row, :length].tolist()
+    runs: list[dict[str, str]] = []
+    start = 0
+    for end in range(1, length + 1):
+        if end == length or from_model[end] != from_model[start]:
+            source = "model" if from_model[start] else "environment"
+            runs.append({source: tokenizer.decode(ids[start:end], skip_special_tokens=False)})
+            start = end
+    return runs

@@ -22,7 +22,7 @@ from verl_core.config.engine import EngineConfig
 from verl_core.config.names import current_registry, registered
 from verl_core.config.validators import each_rule, in_range, non_empty, non_negative, positive
 from verl_core.errors import VerlCoreError
-from verl_core.hookspecs import ADVANTAGE_ESTIMATORS, REWARD_FUNCTIONS
+from verl_core.hookspecs import ADVANTAGE_ESTIMATORS, ENVIRONMENTS, REWARD_FUNCTIONS
 
 #: Whether the RL trainer's cross-section rules apply to the config being loaded: ``load_config``
 #: switches them off for SFT (``rl_rules=False``), which reads no estimator, rollout group or PPO
@@ -83,7 +83,7 @@ class AgentConfig:
 
     #: A registered environment (``verl-core plugins --all``; core's ``tools`` runs the functions of
     #: ``tools``); ``None``: single-turn rollouts.
-    environment: str | None = None
+    environment: str | None = registered(ENVIRONMENTS, None)  # type: ignore[arg-type]
     #: For the ``tools`` environment: a ``.py`` file whose public functions are the tools the model
     #: may call (a relative path is relative to the working directory).
     tools: str | None = None

@@ -20,7 +20,7 @@ import attrs
 import torch
 from tensordict import TensorDict
 
-from verl_core.agents.session import build_agent_loop, run_conversations
+from verl_core.agents.session import build_agent_loop, run_conversations, turns
 from verl_core.algos.kl import apply_kl_penalty, build_kl_controller
 from verl_core.algos.registry import get_advantage_estimator
 from verl_core.config.run import RunConfig
@@ -355,6 +355,7 @@ class RLTrainer(Trainer):
                     "prompt": rows[i // k].prompt_text,
                     "response": responses[i],
                     "score": scores[i].item(),
+                    **({"turns": turns(self.tokenizer, batch, i)} if self.agent_loop is not None else {}),
                 }
                 for i in range(min(room, len(responses)))
             ]

@@ -45,7 +45,7 @@ class Echo(BaseEnvironment):
 """
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "reinforce_plus_plus"])
+@pytest.mark.parametrize("estimator", ["grpo", "reinforce_plus_plus", "gae"])
 def test_a_training_step_with_an_environment(tmp_path, estimator) -> None:
     model = build_chat_model_dir(tmp_path / "model")
     rows = [{"prompt": f"say {n}", "target": str(n), "hint": "again", "ground_truth": "x"} for n in range(4)]
@@ -67,7 +67,15 @@ def test_a_training_step_with_an_environment(tmp_path, estimator) -> None:
             "trainer.total_training_steps": 1,
             "trainer.test_freq": 1,
             "trainer.val_n": 2,
-        },
+        }
+        | (
+            {
+                "critic.enable": "true",
+                "critic.engine": f"{{backend: ddp, model: {{path: {model}}}, device: cpu, optim: {{lr: 1e-3}}}}",
+            }
+            if estimator == "gae"
+            else {}
+        ),
     )
     with fake_distributions(tmp_path) as dists:
         dists.add("verl-echo", "1.0", {"echo": ECHO_PLUGIN}, modules={"echo_env": ECHO_ENV})
@@ -85,7 +93,7 @@ def test_a_training_step_with_an_environment(tmp_path, estimator) -> None:
     environment = real & ~model_tokens
     assert environment.any(dim=-1).all()  # every response got at least one answer
     assert not batch[ROLLOUT_LOG_PROBS][environment].any()
-    for key in ("advantages", "returns", "token_level_rewards"):
+    for key in ("advantages", "returns", "token_level_rewards", *(["values"] if estimator == "gae" else [])):
         assert not batch[key][environment].any(), key
     assert set(batch[SCORES].tolist()) <= {0.25, 0.75}  # the environment's reward, not exact_match's 0
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

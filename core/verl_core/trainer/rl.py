@@ -183,6 +183,10 @@ class RLTrainer(Trainer):
         if self.critic is not None:
             with timer.phase("values"):
                 batch[VALUES] = self.critic.compute_values(batch)
+        # The engines score every token they read; environment tokens (multi-turn) keep none.
+        for key in (OLD_LOG_PROBS, REF_LOG_PROB, VALUES):
+            if key in batch.keys():
+                batch[key] = torch.where(batch[RESPONSE_MASK].bool(), batch[key], 0.0)
 
         if self.config.algorithm.use_kl_in_reward:
             batch[TOKEN_LEVEL_REWARDS], kl_metrics = apply_kl_penalty(

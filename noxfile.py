@@ -188,7 +188,18 @@ def tools_demo(session: nox.Session) -> None:
     shutil.rmtree(REPO / TOOLS_DEMO, ignore_errors=True)
     session.run("python", "examples/tools_demo/make_tools_demo.py", str(TOOLS_DEMO))
     session.run("verl-core", "sft", "examples/tools_demo/sft.yaml")
-    session.run("python", "examples/tools_demo/compare.py", str(TOOLS_DEMO / "sft" / "hf_model"))
+    # More SFT from there, at a lower rate: the warm-up then stops short of solving the task.
+    session.run(
+        "verl-core",
+        "sft",
+        "examples/tools_demo/sft.yaml",
+        f"actor.engine.model.path={TOOLS_DEMO / 'sft' / 'hf_model'}",
+        "actor.engine.optim.lr=2e-3",
+        "trainer.total_training_steps=210",
+        f"trainer.run_dir={TOOLS_DEMO / 'sft_more'}",
+        f"trainer.checkpoint_dir={TOOLS_DEMO / 'sft_more' / 'checkpoints'}",
+    )
+    session.run("python", "examples/tools_demo/compare.py", str(TOOLS_DEMO / "sft_more" / "hf_model"))
     session.run("verl-core", "train", "examples/tools_demo/grpo.yaml")
     session.run("python", "examples/tools_demo/compare.py", str(TOOLS_DEMO / "grpo" / "hf_model"))
 

@@ -6,9 +6,7 @@ The task: ``value of qk?`` asks for the value of a key in a table the model neve
 tool's answer. The SFT rows are the two assistant turns of scripted traces on keys of their own;
 GRPO and validation use other keys.
 
-    python examples/tools_demo/make_tools_demo.py runs/tools_demo
-    verl-core sft examples/tools_demo/sft.yaml
-    verl-core train examples/tools_demo/grpo.yaml
+    nox -s tools_demo     (these assets, the SFT warm-up, GRPO, the scores with and without the tool)
 
 The tokenizer has one token per character (lower-case letters, digits, the characters of the JSON
 of a call) plus the ChatML tokens and ``<tool_call>`` / ``</tool_call>``, with a ChatML chat template

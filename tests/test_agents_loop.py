@@ -128,6 +128,7 @@ def test_a_turn_cut_short_is_closed_by_the_template_and_the_budget_holds() -> No
     assert conversation.spans[1][1] - conversation.spans[1][0] == len(TEMPLATE.end_of_turn_ids)
     assert len(conversation.response_ids) <= 30 and batch[RESPONSES].shape[1] <= 30
     assert batch[RESPONSE_MASK].sum() == 4 + 3
+    assert [m["role"] for m in conversation.messages] == ["assistant", "tool", "assistant"]  # none dropped
 
 
 def test_overflow_truncates_when_told() -> None:

@@ -151,14 +151,14 @@ class AgentLoop:
         ):
             conversation.done = True
             return
-        closing = self.template.closing_ids(generated)
         observation = list(result.observation)
-        ids = [closing]
+        context = list(conversation.messages)
+        ids = [self.template.closing_ids(generated)]
         for number, message in enumerate(observation):
-            last = number == len(observation) - 1
-            ids.append(self.template.message_ids(conversation.messages, message, last=last))
-            conversation.messages.append(message)
-        self.append_environment(conversation, ids, [m["role"] for m in observation])
+            ids.append(self.template.message_ids(context, message, last=number == len(observation) - 1))
+            context.append(message)
+        if self.append_environment(conversation, ids, [m["role"] for m in observation]):
+            conversation.messages = context
 
     def model_turn(self, generated: list[int], log_probs: list[float]) -> tuple[list[int], list[float]]:
         """The ids a model turn adds to the sequence and their log-probs: exactly the sampled ones
@@ -167,18 +167,20 @@ class AgentLoop:
 
     def append_environment(
         self, conversation: Conversation, parts: list[list[int]], roles: list[str]
-    ) -> None:
-        """Append the turn's closing ids and each message's ids, within the response budget."""
+    ) -> bool:
+        """Append the turn's closing ids and each message's ids, within the response budget; whether
+        the messages were appended (``on_overflow: end`` drops what does not fit)."""
         left = self.response_length - len(conversation.response_ids)
         total = sum(len(part) for part in parts)
         # After the environment's message the model needs room for at least one token.
         if total >= left:
             conversation.done = True
             if self.config.on_overflow == "end":
-                return
+                return False
         for part, role in zip(parts, ["template", *roles], strict=True):
             room = self.response_length - len(conversation.response_ids)
             conversation.append(part[:room], role=role)
+        return True
 
     def to_batch(self, conversations: Sequence[Conversation], pad_token_id: int) -> TensorDict:
         prompt_ids, prompt_mask = left_pad([list(c.prompt_ids) for c in conversations], pad_token_id)

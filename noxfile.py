@@ -175,6 +175,35 @@ def demo(session: nox.Session) -> None:
         session.error("the validation score did not rise during GRPO")
 
 
+#: The tools demo's folder (examples/tools_demo): assets, SFT run, GRPO run, comparisons.
+TOOLS_DEMO = Path("runs/tools_demo")
+
+
+@nox.session(python=PYTHON)
+def tools_demo(session: nox.Session) -> None:
+    """Multi-turn GRPO with a tool (docs/agents.md): a table lookup only the tool can answer, an SFT
+    warm-up on scripted tool-use traces, GRPO with the `tools` environment; prints the validation score
+    with and without the tool, before and after GRPO."""
+    _install_editable(session)
+    shutil.rmtree(REPO / TOOLS_DEMO, ignore_errors=True)
+    session.run("python", "examples/tools_demo/make_tools_demo.py", str(TOOLS_DEMO))
+    session.run("verl-core", "sft", "examples/tools_demo/sft.yaml")
+    # More SFT from there, at a lower rate: the warm-up then stops short of solving the task.
+    session.run(
+        "verl-core",
+        "sft",
+        "examples/tools_demo/sft.yaml",
+        f"actor.engine.model.path={TOOLS_DEMO / 'sft' / 'hf_model'}",
+        "actor.engine.optim.lr=2e-3",
+        "trainer.total_training_steps=210",
+        f"trainer.run_dir={TOOLS_DEMO / 'sft_more'}",
+        f"trainer.checkpoint_dir={TOOLS_DEMO / 'sft_more' / 'checkpoints'}",
+    )
+    session.run("python", "examples/tools_demo/compare.py", str(TOOLS_DEMO / "sft_more" / "hf_model"))
+    session.run("verl-core", "train", "examples/tools_demo/grpo.yaml")
+    session.run("python", "examples/tools_demo/compare.py", str(TOOLS_DEMO / "grpo" / "hf_model"))
+
+
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """``ruff check`` and ``ruff format --check`` over the whole repository."""

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from verl_core import EngineBackend, hookimpl
 from verl_core.config import (
     ActorConfig,
+    AgentConfig,
     AlgorithmConfig,
     CriticConfig,
     CriticLossConfig,
@@ -823,6 +824,7 @@ def test_docs_list_every_key_with_its_default():
         "critic.loss": CriticLossConfig,
         "rollout": RolloutConfig,
         "rollout.hf": HFRolloutConfig,
+        "rollout.agent": AgentConfig,
         "reward": RewardConfig,
         "algorithm": AlgorithmConfig,
         "algorithm.kl_ctrl": KLControlConfig,

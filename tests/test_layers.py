@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("distributed",),
     ("data",),
     ("engine", "algos"),
-    ("rollout", "reward"),
+    ("rollout", "reward", "agents"),
     ("testing",),
     ("workers",),
     ("trainer", "cli", "__main__", "_builtin"),

@@ -35,7 +35,14 @@ from verl_core.plugins import (
     get_registry,
 )
 
-KINDS = ["engine_backends", "advantage_estimators", "policy_losses", "rollout_backends", "reward_functions"]
+KINDS = [
+    "engine_backends",
+    "advantage_estimators",
+    "policy_losses",
+    "rollout_backends",
+    "reward_functions",
+    "environments",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -374,7 +381,7 @@ def test_kind_constants_are_the_registry_kinds():
     from verl_core import hookspecs
 
     constants = [hookspecs.ENGINE_BACKENDS, hookspecs.ADVANTAGE_ESTIMATORS, hookspecs.POLICY_LOSSES]
-    constants += [hookspecs.ROLLOUT_BACKENDS, hookspecs.REWARD_FUNCTIONS]
+    constants += [hookspecs.ROLLOUT_BACKENDS, hookspecs.REWARD_FUNCTIONS, hookspecs.ENVIRONMENTS]
     assert constants == Registry.from_plugins().kinds
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from verl_core.agents import catalog as agents_catalog
 from verl_core.algos import catalog
-from verl_core.descriptors import AdvantageEstimator, PolicyLoss, RewardFunction, RolloutBackend
+from verl_core.descriptors import AdvantageEstimator, Environment, PolicyLoss, RewardFunction, RolloutBackend
 from verl_core.hookspecs import hookimpl
 from verl_core.reward import catalog as reward_catalog
 from verl_core.rollout import catalog as rollout_catalog
@@ -27,3 +28,8 @@ def verl_reward_functions() -> list[RewardFunction]:
 @hookimpl
 def verl_rollout_backends() -> list[RolloutBackend]:
     return list(rollout_catalog.ROLLOUT_BACKENDS)
+
+
+@hookimpl
+def verl_environments() -> list[Environment]:
+    return list(agents_catalog.ENVIRONMENTS)

@@ -23,6 +23,7 @@ __all__ = [
     "MODEL_ROLES",
     "AdvantageEstimator",
     "EngineBackend",
+    "Environment",
     "Loadable",
     "ModelRole",
     "PolicyLoss",
@@ -254,3 +255,23 @@ class RolloutBackend:
     )
     description: str = ""
     override: bool = False
+
+
+@attrs.frozen
+class Environment:
+    """An environment for multi-turn rollouts, selected by ``rollout.agent.environment``.
+
+    ``environment`` names a factory called as ``environment(config: AgentConfig)`` once per
+    conversation; what it returns is a ``verl_core.agents.BaseEnvironment`` (``reset(row)``, then
+    ``step(model_text) -> StepResult`` after every model turn). Core's built-in ``tools`` runs plain
+    Python functions from a user's file on Hermes-style ``<tool_call>`` blocks. docs/agents.md is the
+    contract.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    environment: Loadable = attrs.field(validator=_check_loadable)
+    description: str = ""
+    override: bool = False
+
+    def load(self) -> Callable[..., Any]:
+        return load_object(self.environment)

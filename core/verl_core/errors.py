@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "AgentError",
     "ApiVersionError",
     "ConfigError",
     "ConfigWarning",
@@ -75,6 +76,11 @@ class PluginWarning(UserWarning):
 
 class ConfigWarning(UserWarning):
     """A configuration value the run will ignore, or one that is probably not what was meant."""
+
+
+class AgentError(VerlCoreError):
+    """A multi-turn rollout cannot run: a chat template that is not append-only, an environment that
+    breaks its contract, a tools file that cannot be loaded."""
 
 
 class RewardError(VerlCoreError):

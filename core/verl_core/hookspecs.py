@@ -13,6 +13,7 @@ import pluggy
 from verl_core.descriptors import (
     AdvantageEstimator,
     EngineBackend,
+    Environment,
     PolicyLoss,
     RewardFunction,
     RolloutBackend,
@@ -22,6 +23,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ENGINE_BACKENDS",
     "ENTRY_POINT_GROUP",
+    "ENVIRONMENTS",
     "HOOK_PREFIX",
     "POLICY_LOSSES",
     "PROJECT_NAME",
@@ -31,6 +33,7 @@ __all__ = [
     "hookspec",
     "verl_advantage_estimators",
     "verl_engine_backends",
+    "verl_environments",
     "verl_policy_losses",
     "verl_reward_functions",
     "verl_rollout_backends",
@@ -45,6 +48,7 @@ ADVANTAGE_ESTIMATORS = "advantage_estimators"
 POLICY_LOSSES = "policy_losses"
 ROLLOUT_BACKENDS = "rollout_backends"
 REWARD_FUNCTIONS = "reward_functions"
+ENVIRONMENTS = "environments"
 HOOK_PREFIX = "verl_"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -109,4 +113,15 @@ def verl_reward_functions() -> list[RewardFunction]:
 
     Called once per plugin when the registry is built; the function is imported when a run selects
     it. Failures make the plugin ``broken``, as for ``verl_engine_backends``.
+    """
+
+
+@hookspec
+def verl_environments() -> list[Environment]:
+    """Return the environments (multi-turn rollouts: tools, games, simulated users) this plugin provides.
+
+    :return: a list (or tuple) of ``Environment``, selected by ``rollout.agent.environment``.
+
+    Called once per plugin when the registry is built; the environment factory is imported when a run
+    selects it. Failures make the plugin ``broken``, as for ``verl_engine_backends``.
     """

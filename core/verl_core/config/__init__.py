@@ -20,6 +20,7 @@ _EXPORTS = {
     "ModelConfig": "verl_core.config.engine",
     "OptimConfig": "verl_core.config.engine",
     "ActorConfig": "verl_core.config.run",
+    "AgentConfig": "verl_core.config.run",
     "CriticConfig": "verl_core.config.run",
     "DataConfig": "verl_core.config.run",
     "RefConfig": "verl_core.config.run",

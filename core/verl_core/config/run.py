@@ -22,7 +22,7 @@ from verl_core.config.engine import EngineConfig
 from verl_core.config.names import current_registry, registered
 from verl_core.config.validators import each_rule, in_range, non_empty, non_negative, positive
 from verl_core.errors import VerlCoreError
-from verl_core.hookspecs import ADVANTAGE_ESTIMATORS, REWARD_FUNCTIONS
+from verl_core.hookspecs import ADVANTAGE_ESTIMATORS, ENVIRONMENTS, REWARD_FUNCTIONS
 
 #: Whether the RL trainer's cross-section rules apply to the config being loaded: ``load_config``
 #: switches them off for SFT (``rl_rules=False``), which reads no estimator, rollout group or PPO
@@ -84,6 +84,35 @@ class CriticConfig:
 
 
 @attrs.define
+class AgentConfig:
+    """The ``rollout.agent`` section: multi-turn rollouts with an environment (docs/agents.md).
+
+    Off by default (no ``environment``): one model turn per response, as before.
+    """
+
+    #: A registered environment (``verl-core plugins --all``; core's ``tools`` runs the functions of
+    #: ``tools``); ``None``: single-turn rollouts.
+    environment: str | None = registered(ENVIRONMENTS, None)  # type: ignore[arg-type]
+    #: For the ``tools`` environment: a ``.py`` file whose public functions are the tools the model
+    #: may call (a relative path is relative to the working directory).
+    tools: str | None = None
+    #: Model turns per conversation at most (the environment answers between them).
+    max_turns: int = attrs.field(default=4, validator=positive)
+    #: Tokens one model turn may generate; 0: whatever is left of ``rollout.response_length``, the
+    #: budget of the whole response (model and environment tokens).
+    max_tokens_per_turn: int = attrs.field(default=0, validator=non_negative)
+    #: An environment message that does not fit in the response budget: ``end`` the conversation
+    #: without it, or ``truncate`` it to the tokens that fit (the conversation ends either way).
+    on_overflow: Literal["end", "truncate"] = "end"
+    #: Seconds one tool call may run; a call that takes longer is answered with an error message.
+    tool_timeout_s: float = attrs.field(default=10.0, validator=positive)
+
+    def ignored(self) -> Iterator[tuple[str, str]]:
+        if self.environment is None and self.tools is not None:
+            yield "tools", "ignored: rollout.agent.environment is not set; set it to 'tools' to use them"
+
+
+@attrs.define
 class RolloutConfig:
     """The ``rollout`` section: how responses are generated, and by which rollout backend.
 
@@ -104,6 +133,8 @@ class RolloutConfig:
     #: Longest prompt, in tokens (longer ones are filtered out); generated tokens per response at most.
     prompt_length: int = attrs.field(default=512, validator=positive)
     response_length: int = attrs.field(default=512, validator=positive)
+    #: Multi-turn rollouts with an environment (tools); off unless ``agent.environment`` is set.
+    agent: AgentConfig = attrs.field(factory=AgentConfig)
 
 
 @attrs.define

@@ -21,6 +21,7 @@ constant                   key                  shape       meaning
 ``TOKEN_LEVEL_REWARDS``    ``token_level_rewards`` [B, R]
 ``SCORES``                 ``scores``           [B]         each response's score from the reward function
 ``UID``                    ``uid``              [B]         group of each sample: its prompt's index in the step
+``ENVIRONMENT_REWARDS``    ``environment_rewards`` [B]      multi-turn: the environment's reward, NaN where it gave none
 ``TEMPERATURE``            ``temperature``      non-tensor  forward option: temperature of log-probs and entropy
 ``COMPUTE_ENTROPY``        ``compute_entropy``  non-tensor  forward option: also return ``entropy``
 ``GLOBAL_COUNTS``          ``global_counts``    non-tensor  the step's ``GlobalCounts``, for loss normalisation
@@ -55,6 +56,9 @@ ROLLOUT_LOG_PROBS = "rollout_log_probs"
 SCORES = "scores"
 #: Each response's group: its prompt's index within the step (GRPO's groups).
 UID = "uid"
+#: Multi-turn rollouts: each response's reward from its environment, NaN where it gave none (the
+#: reward function scores those).
+ENVIRONMENT_REWARDS = "environment_rewards"
 
 #: Non-tensor keys of a batch that steer the forward pass (``engine.base.forward_options`` reads them).
 TEMPERATURE = "temperature"
@@ -99,12 +103,23 @@ def compute_global_counts(
 
 
 def join_prompts_and_responses(
-    prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor, response_mask: torch.Tensor
+    prompts: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    response_attention_mask: torch.Tensor | None = None,
 ) -> TensorDict:
     """The batch contract from left-padded ``prompts`` ``[B, P]`` and right-padded ``responses``
     ``[B, R]`` with their masks (1 on real tokens): ``input_ids`` and ``attention_mask`` are the two
-    side by side, ``position_ids`` count real tokens only (padding repeats position 0)."""
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=-1).to(torch.int64)
+    side by side, ``position_ids`` count real tokens only (padding repeats position 0).
+
+    A multi-turn response also holds environment tokens (tool results), which the model reads but did
+    not produce: ``response_attention_mask`` is then 1 on every real token of the response and
+    ``response_mask`` on the model's only. By default they are the same."""
+    if response_attention_mask is None:
+        response_attention_mask = response_mask
+    attention_mask = torch.cat([prompt_mask, response_attention_mask], dim=-1).to(torch.int64)
     return TensorDict(
         {
             INPUT_IDS: torch.cat([prompts, responses], dim=-1),

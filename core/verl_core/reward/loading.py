@@ -113,22 +113,30 @@ def _load_from_file(spec: str, path: Path, function_name: str) -> tuple[Callable
 
 
 def _import_file(spec: str, path: Path) -> types.ModuleType:
-    """Import ``path`` as a module of its own name; a file that raises is named, the cause chained."""
+    return import_user_file(path, FILE_MODULE_PREFIX, f"{CONFIG_KEY}={spec!r}", RewardError)
+
+
+def import_user_file(
+    path: Path, module_prefix: str, where: str, error: type[Exception] = RewardError
+) -> types.ModuleType:
+    """Import the user's file ``path`` as a module of its own name (``module_prefix``, its stem and a
+    hash of its resolved path; registered in ``sys.modules``, never found through ``sys.path``); a file
+    that raises is reported as ``error`` naming ``where`` (the config key), the cause chained."""
     resolved = path.resolve()
     digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:12]
     stem = re.sub(r"\W", "_", resolved.stem)
-    name = f"{FILE_MODULE_PREFIX}{stem}_{digest}"
+    name = f"{module_prefix}{stem}_{digest}"
     module_spec = importlib.util.spec_from_file_location(name, resolved)
     if module_spec is None or module_spec.loader is None:  # pragma: no cover - a .py file always has one
-        raise RewardError(f"{CONFIG_KEY}={spec!r}: {path} cannot be imported as a Python module")
+        raise error(f"{where}: {path} cannot be imported as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise RewardError(
-            f"{CONFIG_KEY}={spec!r}: importing {path} raised {type(exc).__name__}: {exc}. Fix the file "
+        raise error(
+            f"{where}: importing {path} raised {type(exc).__name__}: {exc}. Fix the file "
             "(the traceback of the cause shows where)"
         ) from exc
     return module

@@ -20,11 +20,14 @@ import attrs
 import torch
 from tensordict import TensorDict
 
+from verl_core.agents.session import build_agent_loop, run_conversations, turns
 from verl_core.algos.kl import apply_kl_penalty, build_kl_controller
 from verl_core.algos.registry import get_advantage_estimator
 from verl_core.config.run import RunConfig
 from verl_core.data.batch import (
     ADVANTAGES,
+    ATTENTION_MASK,
+    ENVIRONMENT_REWARDS,
     OLD_LOG_PROBS,
     REF_LOG_PROB,
     RESPONSE_MASK,
@@ -108,6 +111,7 @@ class RLTrainer(Trainer):
         self.reward_function = load_reward_function(config.reward.function, registry)
         self.kl_controller = build_kl_controller(config.algorithm.kl_ctrl)
         self.sampling = _sampling(config.rollout.temperature, config, tokenizer)
+        self.agent_loop = build_agent_loop(config, tokenizer, self.sampling, registry)
         self.global_step = 0
         self._reward_failure_shown = False
         #: The last step's whole batch (responses, scores, advantages), for inspection.
@@ -179,6 +183,10 @@ class RLTrainer(Trainer):
         if self.critic is not None:
             with timer.phase("values"):
                 batch[VALUES] = self.critic.compute_values(batch)
+        # The engines score every token they read; environment tokens (multi-turn) keep none.
+        for key in (OLD_LOG_PROBS, REF_LOG_PROB, VALUES):
+            if key in batch.keys():
+                batch[key] = torch.where(batch[RESPONSE_MASK].bool(), batch[key], 0.0)
 
         if self.config.algorithm.use_kl_in_reward:
             batch[TOKEN_LEVEL_REWARDS], kl_metrics = apply_kl_penalty(
@@ -283,7 +291,10 @@ class RLTrainer(Trainer):
         """``n`` responses per prompt (default ``rollout.n``), the prompt's index in ``UID``."""
         n = self.n if n is None else n
         prompts = [row.prompt_ids for row in rows for _ in range(n)]
-        batch = self.actor.generate(prompts, sampling, seed)
+        if self.agent_loop is None:
+            batch = self.actor.generate(prompts, sampling, seed)
+        else:
+            batch = run_conversations(self.agent_loop, self.actor.generate, rows, n, sampling, seed)
         batch[UID] = torch.arange(len(rows)).repeat_interleave(n)
         return batch
 
@@ -308,6 +319,9 @@ class RLTrainer(Trainer):
                 f"{result.first_error}"
             )
         scores = torch.tensor(result.scores, dtype=torch.float32)
+        if ENVIRONMENT_REWARDS in batch.keys():  # an environment's reward replaces the function's
+            from_environment = batch[ENVIRONMENT_REWARDS]
+            scores = torch.where(from_environment.isnan(), scores, from_environment.float())
         metrics = {
             **result.step_metrics(),  # the function's own metrics first: they cannot replace these
             REWARD_KEY: float(scores.mean()),
@@ -345,6 +359,7 @@ class RLTrainer(Trainer):
                     "prompt": rows[i // k].prompt_text,
                     "response": responses[i],
                     "score": scores[i].item(),
+                    **({"turns": turns(self.tokenizer, batch, i)} if self.agent_loop is not None else {}),
                 }
                 for i in range(min(room, len(responses)))
             ]
@@ -400,18 +415,23 @@ def _sampling(temperature: float, config: RunConfig, tokenizer: Any) -> Sampling
 
 
 def outcome_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """``[B, R]`` token-level rewards: each response's score on its last token, 0 elsewhere."""
+    """``[B, R]`` token-level rewards: each response's score on its last model token (the last
+    ``response_mask`` 1: a multi-turn response has environment tokens between the model's), 0 elsewhere."""
     rewards = torch.zeros(response_mask.shape, dtype=torch.float32)
-    lengths = response_mask.sum(dim=-1)
-    has_tokens = lengths > 0
+    mask = response_mask.bool()
+    has_tokens = mask.any(dim=-1)
+    columns = torch.arange(mask.shape[-1]).expand_as(mask)
+    last = torch.where(mask, columns, -1).amax(dim=-1)
     rows = torch.arange(response_mask.shape[0])[has_tokens]
-    rewards[rows, lengths[has_tokens] - 1] = scores[has_tokens]
+    rewards[rows, last[has_tokens]] = scores[has_tokens]
     return rewards
 
 
 def decode_responses(tokenizer: Any, batch: TensorDict) -> list[str]:
-    """Each response's text, padding and special tokens (the EOS) removed."""
-    mask = batch[RESPONSE_MASK].bool()
+    """Each response's text, padding and special tokens (the EOS) removed. A multi-turn response is
+    the whole conversation after the prompt: the model's turns and the environment's messages."""
+    width = batch[RESPONSES].shape[-1]
+    mask = batch[ATTENTION_MASK][:, -width:].bool()
     return tokenizer.batch_decode(
         [row[row_mask].tolist() for row, row_mask in zip(batch[RESPONSES], mask, strict=True)],
         skip_special_tokens=True,

@@ -1,0 +1,172 @@
+"""Environments: what answers the model between its turns (tools, a game, a simulated user).
+
+An environment is made once per conversation by its factory (an ``Environment`` descriptor's
+``environment``, called with the ``rollout.agent`` config), told which dataset row it serves with
+``reset(row)``, and then answers each model turn with ``step(model_text) -> StepResult``: the
+messages to append (a tool result, a user turn), whether the conversation is over, and optionally
+the reward (which then replaces the reward function's score for that response).
+
+Core's built-in ``tools`` environment (``ToolEnvironment``) runs plain Python functions from a
+user's file on the model's Hermes-style tool calls.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import inspect
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from verl_core.agents.tool_calls import parse_tool_calls
+from verl_core.config.run import AgentConfig
+from verl_core.errors import AgentError
+from verl_core.reward.loading import import_user_file
+
+#: The config key naming the tools file, for messages.
+TOOLS_KEY = "rollout.agent.tools"
+#: Prefix of the module names tools files are imported under.
+TOOLS_MODULE_PREFIX = "verl_core_tools_file_"
+
+
+def _as_messages(value: Any) -> tuple[dict[str, Any], ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):  # a plain string is the environment's answer as a tool message
+        return ({"role": "tool", "content": value},)
+    if isinstance(value, Mapping):
+        value = [value]
+    messages = tuple(dict(message) for message in value)
+    for message in messages:
+        if not isinstance(message.get("role"), str) or "content" not in message:
+            raise AgentError(
+                f"an environment's observation {message!r:.80} is not a chat message: return a string, "
+                'or messages {"role": "tool" | "user", "content": ...}'
+            )
+    return messages
+
+
+@attrs.frozen
+class StepResult:
+    """An environment's answer to one model turn.
+
+    ``observation``: the messages to append before the model's next turn (a string is one ``tool``
+    message; ``None`` or ``()``: nothing); ``done``: the conversation is over (the observation is then
+    not appended); ``reward``: the response's score, replacing the reward function's (``None``: the
+    reward function scores it).
+    """
+
+    observation: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=_as_messages)
+    done: bool = False
+    reward: float | None = None
+
+
+class BaseEnvironment(abc.ABC):
+    """Base class of environments (see the module docstring)."""
+
+    def reset(self, row: Any) -> None:  # noqa: B027 - most environments need no per-row state
+        """Start a conversation for ``row`` (a ``verl_core.data.PromptRow``: ``prompt_text``,
+        ``extra`` with the row's other columns)."""
+
+    @abc.abstractmethod
+    def step(self, model_text: str) -> StepResult:
+        """Answer the model's latest turn (its text, the end-of-turn token left out)."""
+
+
+# -- tools -----------------------------------------------------------------------------------------
+
+
+class ToolEnvironment(BaseEnvironment):
+    """Runs the model's ``<tool_call>`` blocks (``verl_core.agents.tool_calls``) on ``tools`` (name ->
+    function called with the call's arguments as keywords); each call's result, or what went wrong,
+    comes back as one ``tool`` message. A reply without any tool call ends the conversation: it is
+    the final answer, which the reward function scores.
+
+    A call that raises, has unknown or wrong arguments, or runs longer than ``timeout_s`` is answered
+    with an error message (the function keeps running in its thread: write tools that return).
+    """
+
+    def __init__(self, tools: Mapping[str, Callable[..., Any]], timeout_s: float = 10.0):
+        self.tools = dict(tools)
+        self.timeout_s = timeout_s
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    @classmethod
+    def from_config(cls, config: AgentConfig) -> ToolEnvironment:
+        if not config.tools:
+            raise AgentError(
+                f"rollout.agent.environment=tools needs {TOOLS_KEY}: a .py file whose functions are the tools"
+            )
+        return cls(load_tools(config.tools), timeout_s=config.tool_timeout_s)
+
+    def step(self, model_text: str) -> StepResult:
+        parsed = parse_tool_calls(model_text)
+        if not parsed.has_calls:
+            return StepResult(done=True)
+        answers = [f"error: {problem}" for problem in parsed.problems]
+        answers += [self.call(call.name, call.arguments) for call in parsed.calls]
+        return StepResult(observation=[{"role": "tool", "content": answer} for answer in answers])
+
+    def call(self, name: str, arguments: dict[str, Any]) -> str:
+        """One tool call's result as text (JSON for what is not a string), or ``error: ...``."""
+        function = self.tools.get(name)
+        if function is None:
+            return f"error: there is no tool {name!r}; the tools are {', '.join(sorted(self.tools))}"
+        try:
+            inspect.signature(function).bind(**arguments)
+        except TypeError as error:
+            return f"error: {name}{inspect.signature(function)} cannot take {arguments}: {error}"
+        except ValueError:  # no signature (some builtins): the call itself will tell
+            pass
+        # A fresh pool after a timeout: the stuck call keeps its thread, the next call gets another.
+        future = self._pool.submit(function, **arguments)
+        try:
+            result = future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._pool.shutdown(wait=False)
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+            return f"error: {name} did not return within {self.timeout_s:g} s"
+        except Exception as error:
+            return f"error: {name} raised {type(error).__name__}: {error}"
+        return result if isinstance(result, str) else json.dumps(result, default=str)
+
+
+def load_tools(path: str | Path) -> dict[str, Callable[..., Any]]:
+    """The tools of a ``.py`` file: its public functions defined in the file itself, by name. The file
+    is imported from its path under a module name of its own (never through ``sys.path``)."""
+    path = Path(path).expanduser()
+    if path.suffix != ".py" or not path.is_file():
+        raise AgentError(
+            f"{TOOLS_KEY}={str(path)!r}: there is no .py file there (relative paths are relative to the "
+            f"working directory, {Path.cwd()}); name a Python file whose functions are the tools"
+        )
+    module = import_user_file(path, TOOLS_MODULE_PREFIX, f"{TOOLS_KEY}={str(path)!r}", AgentError)
+    tools = {
+        name: value
+        for name, value in vars(module).items()
+        if inspect.isfunction(value) and not name.startswith("_") and value.__module__ == module.__name__
+    }
+    if not tools:
+        raise AgentError(f"{TOOLS_KEY}={str(path)!r} defines no public function: define the tools in it")
+    return tools
+
+
+def make_environments(factory: Callable[..., Any], config: AgentConfig, rows: Sequence[Any]) -> list[Any]:
+    """One environment per row, each ``reset`` to its row; a factory that returns something without
+    ``step`` is refused here, naming it."""
+    environments = []
+    for row in rows:
+        environment = factory(config)
+        if not callable(getattr(environment, "step", None)):
+            raise AgentError(
+                f"the environment factory {getattr(factory, '__qualname__', factory)!r} returned "
+                f"{type(environment).__name__}, which has no step(model_text) method: return a "
+                "verl_core.agents.BaseEnvironment"
+            )
+        environment.reset(row)
+        environments.append(environment)
+    return environments

@@ -1,0 +1,256 @@
+"""The agent loop, token in / token out, against independent references.
+
+- Over random conversations (hypothesis), the prompt and response built turn by turn are exactly the
+  chat template's rendering of the whole conversation, encoded at once; ``response_mask`` is 1 exactly
+  on the model's spans, found in that rendering (after each generation prompt, up to and including the
+  end-of-turn token); no environment token has a log-prob.
+- With a real model, the log-probs the rollout reported equal a plain forward pass over the final
+  sequence at every model token. A loop that re-encodes the decoded reply (kept below) fails that check:
+  the chat tokenizer merges ``a`` ``b`` into ``ab``.
+- Templates that are not append-only, and ones whose end of turn is no EOS, are refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixtures.chat import COUNTING, END, START, build_chat_model_dir, build_chat_tokenizer, scripted_generate
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+from verl_core.agents import AgentLoop, StepResult, TurnTemplate
+from verl_core.config.run import AgentConfig
+from verl_core.data.batch import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    RESPONSE_MASK,
+    RESPONSES,
+    ROLLOUT_LOG_PROBS,
+    join_prompts_and_responses,
+    left_pad,
+)
+from verl_core.errors import AgentError
+from verl_core.rollout.base import SamplingParams
+
+TOKENIZER = build_chat_tokenizer()
+TEMPLATE = TurnTemplate(TOKENIZER, [TOKENIZER.eos_token_id])
+EOS = TOKENIZER.eos_token_id
+SAMPLING = SamplingParams(max_new_tokens=1, eos_token_ids=(EOS,), pad_token_id=TOKENIZER.pad_token_id)
+
+
+def encode(text: str) -> list[int]:
+    return TOKENIZER.encode(text, add_special_tokens=False)
+
+
+class ScriptedEnvironment:
+    """Answers turn ``k`` with ``answers[k]``; ends after the last."""
+
+    def __init__(self, answers: list[list[dict]]):
+        self.answers = answers
+        self.turn = 0
+
+    def reset(self, row) -> None:
+        self.turn = 0
+
+    def step(self, model_text: str) -> StepResult:
+        if self.turn == len(self.answers):
+            return StepResult(done=True, reward=1.0)
+        answer = self.answers[self.turn]
+        self.turn += 1
+        return StepResult(observation=answer)
+
+
+def model_spans_of(ids: list[int]) -> list[int]:
+    """The reference mask: 1 from after each ``<|im_start|>assistant\\n`` to its ``<|im_end|>`` inclusive."""
+    opener = [TOKENIZER.convert_tokens_to_ids(START), *encode("assistant\n")]
+    mask, inside, position = [0] * len(ids), False, 0
+    while position < len(ids):
+        if not inside and ids[position : position + len(opener)] == opener:
+            position += len(opener)
+            inside = True
+            continue
+        if inside:
+            mask[position] = 1
+            inside = ids[position] != EOS
+        position += 1
+    return mask
+
+
+texts = st.text(alphabet="abtoreXY 12+=,.", min_size=1, max_size=8).filter(lambda t: t.strip() == t)
+turn = st.tuples(texts, st.lists(st.tuples(st.sampled_from(["tool", "user"]), texts), min_size=1, max_size=2))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(question=texts, turns=st.lists(turn, min_size=1, max_size=3), final=texts)
+def test_turn_by_turn_ids_are_the_whole_conversation_rendered_at_once(question, turns, final) -> None:
+    prompt = [{"role": "user", "content": question}]
+    replies = [encode(reply) + [EOS] for reply, _ in turns] + [encode(final) + [EOS]]
+    answers = [[{"role": role, "content": text} for role, text in messages] for _, messages in turns]
+    loop = AgentLoop(TEMPLATE, lambda config: ScriptedEnvironment(answers), AgentConfig(max_turns=10), 4096)
+    prompt_ids = encode(TEMPLATE.render(prompt, add_generation_prompt=True))
+    batch, (conversation,) = loop.run(
+        scripted_generate([replies]), [prompt_ids], [None], [prompt], SAMPLING, 0
+    )
+
+    whole = list(prompt)
+    for (reply, _), messages in zip(turns, answers, strict=True):
+        whole += [{"role": "assistant", "content": reply}, *messages]
+    whole.append({"role": "assistant", "content": final})
+    rendered = TOKENIZER.apply_chat_template(whole, tokenize=False)
+    expected = encode(rendered.removesuffix("\n"))  # the conversation ends at the model's EOS
+    real = batch[ATTENTION_MASK][0].bool()
+    assert batch[INPUT_IDS][0][real].tolist() == expected
+    response = expected[len(prompt_ids) :]
+    assert batch[RESPONSE_MASK][0].tolist() == model_spans_of(expected)[len(prompt_ids) :]
+    log_probs = batch[ROLLOUT_LOG_PROBS][0]
+    assert torch.equal(log_probs, -torch.tensor(response).float() * batch[RESPONSE_MASK][0])
+    assert conversation.reward == 1.0 and conversation.turns == len(turns) + 1
+
+
+def test_the_reference_mask_can_fail() -> None:
+    ids = encode(TEMPLATE.render([{"role": "user", "content": "q"}], add_generation_prompt=True)) + encode(
+        "ab"
+    )
+    assert model_spans_of(ids + [EOS]) == [0] * (len(ids) - 1) + [1, 1]  # "ab" is one token
+
+
+def test_a_turn_cut_short_is_closed_by_the_template_and_the_budget_holds() -> None:
+    answers = [[{"role": "tool", "content": "42"}]] * 3
+    config = AgentConfig(max_turns=3, max_tokens_per_turn=4)
+    loop = AgentLoop(TEMPLATE, lambda c: ScriptedEnvironment(answers), config, response_length=30)
+    replies = [[encode("abcdef"), encode("xy") + [EOS], encode("z") + [EOS]]]
+    batch, (conversation,) = loop.run(scripted_generate(replies), [[5]], [None], [[]], SAMPLING, 0)
+    roles = [role for _, _, role in conversation.spans]
+    # 4 model tokens (cut), the whole end of turn (no EOS was sampled) and the tool message; then the
+    # second reply; the second tool message does not fit in 30 tokens: the conversation ends.
+    assert roles == ["assistant", "template", "tool", "assistant"]
+    assert conversation.spans[1][1] - conversation.spans[1][0] == len(TEMPLATE.end_of_turn_ids)
+    assert len(conversation.response_ids) <= 30 and batch[RESPONSES].shape[1] <= 30
+    assert batch[RESPONSE_MASK].sum() == 4 + 3
+    assert [m["role"] for m in conversation.messages] == ["assistant", "tool", "assistant"]  # none dropped
+
+
+def test_overflow_truncates_when_told() -> None:
+    answers = [[{"role": "tool", "content": "X" * 50}]]
+    config = AgentConfig(max_turns=3, on_overflow="truncate")
+    loop = AgentLoop(TEMPLATE, lambda c: ScriptedEnvironment(answers), config, response_length=20)
+    batch, (conversation,) = loop.run(scripted_generate([[[7, EOS]]]), [[5]], [None], [[]], SAMPLING, 0)
+    assert len(conversation.response_ids) == 20 and conversation.done
+    assert batch[RESPONSE_MASK][0].tolist() == [1, 1] + [0] * 18
+
+
+@pytest.mark.parametrize(
+    ("template", "problem"),
+    [
+        (COUNTING, "not append-only"),
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "does not start with a token"),
+        (
+            "{% for m in messages %}" + START + "{{ m['role'] }}\n{% if m['role'] == 'assistant' %}<think>"
+            "{% endif %}{{ m['content'] }}"
+            + END
+            + "{% endfor %}{% if add_generation_prompt %}"
+            + START
+            + "assistant\n{% endif %}",
+            "between the generation prompt and the assistant's reply",
+        ),
+    ],
+)
+def test_templates_the_loop_cannot_follow_are_refused(template, problem) -> None:
+    with pytest.raises(AgentError, match=problem):
+        TurnTemplate(build_chat_tokenizer(template), [EOS])
+
+
+# -- with a real model: the rollout's log-probs are the engine's ----------------------------------
+
+
+class ReencodingLoop(AgentLoop):
+    """Broken on purpose: appends the decoded reply encoded again (what the loop must never do)."""
+
+    def model_turn(self, generated, log_probs):
+        ids = self.template.encode(self.template.reply_text(generated))
+        ids += [EOS] if generated and generated[-1] == EOS else []
+        return ids, (log_probs + [0.0] * len(ids))[: len(ids)]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    directory = build_chat_model_dir(tmp_path_factory.mktemp("chat_model"))
+    return directory, AutoModelForCausalLM.from_pretrained(directory).eval()
+
+
+def teacher_forced_generate(model, continuations: list[list[int]]):
+    """A rollout that 'samples' the given ids (``a`` and ``b`` as separate tokens) and reports the
+    model's own log-probs of them, as a rollout must."""
+
+    def generate(prompts, sampling, seed) -> TensorDict:
+        rows = [list(prompt) + continuations[i] for i, prompt in enumerate(prompts)]
+        ids, mask = left_pad(rows, 0)
+        with torch.no_grad():
+            logits = model(
+                input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
+            )
+        all_log_probs = logits.logits.float().log_softmax(-1)
+        prompt_ids, prompt_mask = left_pad([list(p) for p in prompts], 0)
+        responses, response_mask = left_pad(continuations, 0)  # all one length here
+        width = responses.shape[1]
+        log_probs = all_log_probs[:, -width - 1 : -1].gather(-1, responses[..., None])[..., 0]
+        batch = join_prompts_and_responses(prompt_ids, prompt_mask, responses, response_mask)
+        batch[ROLLOUT_LOG_PROBS] = log_probs
+        return batch
+
+    return generate
+
+
+def log_prob_mismatch(model, batch: TensorDict) -> float:
+    """Largest difference between the rollout's log-probs and a plain forward pass's over the final
+    sequences, at the model's tokens (the check a training engine's first step amounts to)."""
+    mask = batch[ATTENTION_MASK]
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch[INPUT_IDS], attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)
+        ).logits.float()
+    width = batch[RESPONSES].shape[1]
+    log_probs = logits[:, -width - 1 : -1].log_softmax(-1).gather(-1, batch[RESPONSES][..., None])[..., 0]
+    model_tokens = batch[RESPONSE_MASK].bool()
+    return float((log_probs - batch[ROLLOUT_LOG_PROBS])[model_tokens].abs().max())
+
+
+@pytest.mark.parametrize(("loop_class", "matches"), [(AgentLoop, True), (ReencodingLoop, False)])
+def test_rollout_log_probs_match_a_forward_pass_unless_the_loop_re_encodes(chat_model, loop_class, matches):
+    _, model = chat_model
+    answers = [[{"role": "tool", "content": "ok"}]]
+    loop = loop_class(TEMPLATE, lambda c: ScriptedEnvironment(answers), AgentConfig(max_turns=2), 200)
+    prompt = [{"role": "user", "content": "go"}]
+    prompt_ids = encode(TEMPLATE.render(prompt, add_generation_prompt=True))
+    sampled = [encode("a")[0], encode("b")[0], encode("c")[0], EOS]  # "ab" re-encodes as one token
+    batch, _ = loop.run(
+        teacher_forced_generate(model, [sampled]), [prompt_ids], [None], [prompt], SAMPLING, 0
+    )
+    mismatch = log_prob_mismatch(model, batch)
+    assert (mismatch < 1e-4) == matches, mismatch
+
+
+def test_the_hf_rollout_runs_conversations_whose_log_probs_match(chat_model) -> None:
+    from verl_core.config.engine import ModelConfig
+    from verl_core.rollout.hf import HFRollout
+
+    directory, model = chat_model
+    rollout = HFRollout(ModelConfig(path=str(directory)))
+    rollout.initialize()
+    answers = [[{"role": "tool", "content": "result 7"}]] * 3
+    loop = AgentLoop(
+        TEMPLATE, lambda c: ScriptedEnvironment(answers), AgentConfig(max_turns=3, max_tokens_per_turn=6), 80
+    )
+    prompts = [[{"role": "user", "content": text}] for text in ("hi", "compute 12*34")]
+    ids = [encode(TEMPLATE.render(p, add_generation_prompt=True)) for p in prompts]
+    sampling = SamplingParams(max_new_tokens=6, eos_token_ids=(EOS,), pad_token_id=0)
+    batch, conversations = loop.run(rollout.generate, ids, [None, None], prompts, sampling, seed=3)
+    assert all(c.turns >= 2 for c in conversations)
+    assert log_prob_mismatch(model, batch) < 1e-4
+    environment_tokens = (
+        batch[ATTENTION_MASK][:, -batch[RESPONSES].shape[1] :].bool() & ~batch[RESPONSE_MASK].bool()
+    )
+    assert environment_tokens.any() and not batch[ROLLOUT_LOG_PROBS][environment_tokens].any()

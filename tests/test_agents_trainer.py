@@ -5,6 +5,8 @@ tokens; its reward replaces the reward function's; one training step and a valid
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -31,7 +33,7 @@ ECHO_ENV = """
 from verl_core.agents import BaseEnvironment, StepResult
 
 class Echo(BaseEnvironment):
-    '''Answers every turn with the row's hint; scores 1 when the model's text holds the target.'''
+    '''Answers every turn with the row's hint and rewards the model's text.'''
 
     def __init__(self, config):
         pass
@@ -40,52 +42,65 @@ class Echo(BaseEnvironment):
         self.extra = row.extra
 
     def step(self, model_text):
-        reward = 0.25 + 0.5 * (self.extra["target"] in model_text)
+        # 0.75 for the target; else 0.25 or 0.5 by the text's length, so that a group's rewards vary
+        # (dynamic sampling keeps only such groups) whatever the untrained model writes.
+        reward = 0.75 if self.extra["target"] in model_text else 0.25 + 0.25 * (len(model_text) % 2)
         return StepResult(observation={"role": "user", "content": self.extra["hint"]}, reward=reward)
 """
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "reinforce_plus_plus", "gae"])
-def test_a_training_step_with_an_environment(tmp_path, estimator) -> None:
+#: The run's settings for each algorithm (``dapo``: GRPO with dynamic sampling).
+ALGORITHMS = {
+    "grpo": {},
+    "rloo": {"algorithm.adv_estimator": "rloo"},
+    "reinforce_plus_plus": {"algorithm.adv_estimator": "reinforce_plus_plus"},
+    "dapo": {"algorithm.filter_groups.enable": "true", "algorithm.filter_groups.max_num_gen_batches": 4},
+}
+
+
+def echo_run(tmp_path, folder: str = ".", **changes) -> tuple[RLTrainer, dict]:
+    """A run in process on the tiny chat model whose every turn the third-party ``echo`` environment
+    answers: the trainer (shut down) and the last step's metrics."""
     model = build_chat_model_dir(tmp_path / "model")
     rows = [{"prompt": f"say {n}", "target": str(n), "hint": "again", "ground_truth": "x"} for n in range(4)]
     for split in ("train", "val"):
         (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     paths = SimpleNamespace(model=model, train=tmp_path / "train.jsonl", val=tmp_path / "val.jsonl")
-    overrides = run_overrides(
-        paths,
-        tmp_path,
-        **{
-            "data.apply_chat_template": "true",
-            "rollout.prompt_length": 32,
-            "rollout.response_length": 40,
-            "rollout.agent.environment": "echo",
-            "rollout.agent.max_turns": 3,
-            "rollout.agent.max_tokens_per_turn": 6,
-            "reward.function": "exact_match",
-            "algorithm.adv_estimator": estimator,
-            "trainer.total_training_steps": 1,
-            "trainer.test_freq": 1,
-            "trainer.val_n": 2,
-        }
-        | (
-            {
-                "critic.enable": "true",
-                "critic.engine": f"{{backend: ddp, model: {{path: {model}}}, device: cpu, optim: {{lr: 1e-3}}}}",
-            }
-            if estimator == "gae"
-            else {}
-        ),
-    )
-    with fake_distributions(tmp_path) as dists:
+    settings = {
+        "data.apply_chat_template": "true",
+        "rollout.prompt_length": 32,
+        "rollout.response_length": 40,
+        "rollout.agent.environment": "echo",
+        "rollout.agent.max_turns": 3,
+        "rollout.agent.max_tokens_per_turn": 6,
+        "reward.function": "exact_match",
+        "trainer.total_training_steps": 1,
+        "trainer.test_freq": 1,
+        "trainer.val_n": 2,
+    }
+    overrides = run_overrides(paths, tmp_path / folder, **(settings | changes))
+    with fake_distributions(Path(tempfile.mkdtemp(dir=tmp_path))) as dists:
         dists.add("verl-echo", "1.0", {"echo": ECHO_PLUGIN}, modules={"echo_env": ECHO_ENV})
         registry = Registry.from_plugins(autoload=True)
         config = load_config([], overrides, registry=registry)
         trainer = RLTrainer.from_config(config, registry=registry, show_progress=False)
         try:
-            trainer.fit()
+            metrics = trainer.fit()
         finally:
             trainer.shutdown()
+    return trainer, metrics
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "dapo", "gae"])
+def test_a_training_step_with_an_environment(tmp_path, estimator) -> None:
+    critic = {}
+    if estimator == "gae":
+        critic = {
+            "algorithm.adv_estimator": "gae",
+            "critic.enable": "true",
+            "critic.engine": f"{{backend: ddp, model: {{path: {tmp_path / 'model'}}}, device: cpu, optim: {{lr: 1e-3}}}}",
+        }
+    trainer, _ = echo_run(tmp_path, **ALGORITHMS.get(estimator, {}), **critic)
     batch = trainer.last_batch
     width = batch[RESPONSES].shape[1]
     real = batch[ATTENTION_MASK][:, -width:].bool()
@@ -95,7 +110,9 @@ def test_a_training_step_with_an_environment(tmp_path, estimator) -> None:
     assert not batch[ROLLOUT_LOG_PROBS][environment].any()
     for key in ("advantages", "returns", "token_level_rewards", *(["values"] if estimator == "gae" else [])):
         assert not batch[key][environment].any(), key
-    assert set(batch[SCORES].tolist()) <= {0.25, 0.75}  # the environment's reward, not exact_match's 0
+    assert set(batch[SCORES].tolist()) <= {0.25, 0.5, 0.75}  # the environment's reward, not exact_match's 0
+    if estimator == "dapo":  # dynamic sampling kept only groups whose environment rewards vary
+        assert all((group != group[0]).any() for group in batch[SCORES].view(-1, 4))
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     step = lines[-1]
     assert step["response_length/mean"] == pytest.approx(float(model_tokens.sum()) / len(model_tokens))
@@ -107,3 +124,16 @@ def test_a_training_step_with_an_environment(tmp_path, estimator) -> None:
     first = samples[0]["turns"]  # marked by who wrote them, special tokens kept
     assert list(first[0]) == ["model"] and list(first[1]) == ["environment"]
     assert "<|im_start|>user\nagain<|im_end|>" in first[1]["environment"]
+
+
+def test_a_run_with_an_environment_resumes_exactly(tmp_path) -> None:
+    """Step 2 resumed from step 1's checkpoint is the uninterrupted run's step 2: the conversations
+    (sampled turn by turn) and what they trained."""
+    straight, expected = echo_run(tmp_path, "straight", **{"trainer.total_training_steps": 2})
+    echo_run(tmp_path, "resumed", **{"trainer.total_training_steps": 1, "trainer.save_freq": 1})
+    resumed, final = echo_run(tmp_path, "resumed", **{"trainer.total_training_steps": 2})
+    assert resumed.resumed_from is not None and resumed.resumed_from.name == "global_step_1"
+    assert torch.equal(resumed.last_batch[RESPONSES], straight.last_batch[RESPONSES])
+    assert torch.equal(resumed.last_batch[RESPONSE_MASK], straight.last_batch[RESPONSE_MASK])
+    for key in ("reward/mean", "actor/loss", "actor/grad_norm", "response_length/mean"):
+        assert final[key] == expected[key], key

@@ -238,7 +238,7 @@ def test_ctrl_c_stops_a_local_ray_run_in_seconds_and_nothing_leaves_loopback(dem
 def test_sigterm_to_the_whole_run_stops_it_in_seconds_without_a_stack_dump(demo, tmp_path) -> None:
     run = Run(demo, tmp_path)
     try:
-        run.wait_for_step(1)
+        run.wait_for_step(2)  # step 1's checkpoint is complete: the stop line names it
         seconds = run.stop(signal.SIGTERM)
         assert run.process.returncode == 143, run.err.read_text()[-3000:]
         assert seconds < 15, f"{seconds:.1f} s to stop"

@@ -186,7 +186,7 @@ def _run_config(**agent):
     )
 
 
-def test_a_config_naming_an_unknown_environment_is_refused_at_load() -> None:
+def test_a_config_naming_an_unknown_environment_or_a_missing_tools_file_is_refused_at_load(tmp_path) -> None:
     from verl_core.config import load_config
     from verl_core.errors import ConfigError
 
@@ -198,5 +198,14 @@ def test_a_config_naming_an_unknown_environment_is_refused_at_load() -> None:
     ]
     with pytest.raises(ConfigError, match=r"rollout\.agent\.environment: Unknown environment 'tols'"):
         load_config([], [*base, "rollout.agent.environment=tols"])
-    loaded = load_config([], [*base, "rollout.agent.environment=tools", "rollout.agent.tools=t.py"])
-    assert loaded.rollout.agent == AgentConfig(environment="tools", tools="t.py")
+    tools = tmp_path / "t.py"
+    with pytest.raises(ConfigError, match=r"rollout\.agent\.tools: no such file: .*t\.py"):
+        load_config([], [*base, "rollout.agent.environment=tools", f"rollout.agent.tools={tools}"])
+    tools.write_text("def _helper():\n    pass\n")
+    with pytest.raises(
+        ConfigError, match=r"rollout\.agent\.tools: .*t\.py defines no public top-level function"
+    ):
+        load_config([], [*base, "rollout.agent.environment=tools", f"rollout.agent.tools={tools}"])
+    tools.write_text("def add(a: int, b: int) -> int:\n    return a + b\n")
+    loaded = load_config([], [*base, "rollout.agent.environment=tools", f"rollout.agent.tools={tools}"])
+    assert loaded.rollout.agent == AgentConfig(environment="tools", tools=str(tools))

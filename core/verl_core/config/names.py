@@ -118,6 +118,27 @@ def top_level_names(tree: ast.Module) -> tuple[list[str], list[str]]:
     return functions, bound
 
 
+def _read_user_file(path: str, form: str) -> ast.Module | str:
+    """The syntax tree of the user's Python file ``path`` (``~`` expanded, relative to the working
+    directory), or why it cannot be read, saying to write ``form``."""
+    file = os.path.expanduser(path)
+    where = (
+        file if os.path.isabs(file) else f"{path} (relative to the current working directory, {os.getcwd()})"
+    )
+    if not os.path.exists(file):
+        return f"no such file: {where}; write {form}"
+    if not os.path.isfile(file):
+        return f"not a file: {where}; write {form}"
+    try:
+        with open(file, "rb") as stream:
+            return ast.parse(stream.read(), filename=file)
+    except OSError as error:
+        return f"cannot read {where}: {error.strerror or error}"
+    except (SyntaxError, ValueError) as error:  # ValueError: null bytes in the source
+        line = f" at line {error.lineno}" if getattr(error, "lineno", None) else ""
+        return f"{file} is not valid Python{line}: {getattr(error, 'msg', None) or error}"
+
+
 def file_function_problem(spec: str) -> str | None:
     """Why ``path/to/file.py:function`` names no function, found without importing the file.
 
@@ -126,30 +147,32 @@ def file_function_problem(spec: str) -> str | None:
     home directory, as when the run imports it (``verl_core.reward.load_reward_function``).
     """
     path, _, name = spec.rpartition(":")
-    file = os.path.expanduser(path)
-    where = (
-        file if os.path.isabs(file) else f"{path} (relative to the current working directory, {os.getcwd()})"
-    )
     if not name.isidentifier():
         return f"{name!r} after the last ':' is not a function name: write {FILE_SPEC_FORM}"
-    if not os.path.exists(file):
-        return f"no such file: {where}; write {FILE_SPEC_FORM}"
-    if not os.path.isfile(file):
-        return f"not a file: {where}; write {FILE_SPEC_FORM}"
-    try:
-        with open(file, "rb") as stream:
-            tree = ast.parse(stream.read(), filename=file)
-    except OSError as error:
-        return f"cannot read {where}: {error.strerror or error}"
-    except (SyntaxError, ValueError) as error:  # ValueError: null bytes in the source
-        line = f" at line {error.lineno}" if getattr(error, "lineno", None) else ""
-        return f"{file} is not valid Python{line}: {getattr(error, 'msg', None) or error}"
+    tree = _read_user_file(path, FILE_SPEC_FORM)
+    if isinstance(tree, str):
+        return tree
     functions, bound = top_level_names(tree)
     if name in bound:
         return None
     match = difflib.get_close_matches(name, bound, n=1)
     suggestion = f" (did you mean {match[0]!r}?)" if match else ""
     defined = ", ".join(functions) if functions else "none"
+    file = os.path.expanduser(path)
     return (
         f"{file} defines no top-level function or assignment {name!r}{suggestion}; its functions: {defined}"
     )
+
+
+def functions_file_problem(path: str) -> str | None:
+    """Why ``path`` is not a ``.py`` file defining a public top-level function (a tools file), found
+    without importing it."""
+    if not path.endswith(".py"):
+        return f"{path!r} is not a .py file: name a Python file whose functions are the tools"
+    tree = _read_user_file(path, "path/to/tools.py")
+    if isinstance(tree, str):
+        return tree
+    functions, _ = top_level_names(tree)
+    if not any(not name.startswith("_") for name in functions):
+        return f"{path} defines no public top-level function: define the tools in it"
+    return None

@@ -38,10 +38,11 @@ PATH_KEYS: tuple[str, ...] = (
     "trainer.run_dir",
     "trainer.resume_from_path",
     "reward.function",
+    "rollout.agent.tools",
 )
 #: The keys whose readers expand ``~`` to the home directory (the model folders, the reward file); the
 #: others keep it as a folder name, in the driver and therefore in the workers.
-EXPANDS_HOME = frozenset((*_MODEL_KEYS, "reward.function"))
+EXPANDS_HOME = frozenset((*_MODEL_KEYS, "reward.function", "rollout.agent.tools"))
 
 
 def absolute_path(path: str, base: str | os.PathLike[str] | None = None, expand_home: bool = False) -> str:

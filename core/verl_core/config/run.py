@@ -19,8 +19,8 @@ import attrs
 
 from verl_core.config.algorithm import AlgorithmConfig, CriticLossConfig, PolicyLossConfig
 from verl_core.config.engine import EngineConfig
-from verl_core.config.names import current_registry, registered
-from verl_core.config.validators import each_rule, in_range, non_empty, non_negative, positive
+from verl_core.config.names import current_registry, functions_file_problem, registered
+from verl_core.config.validators import InvalidValue, each_rule, in_range, non_empty, non_negative, positive
 from verl_core.errors import VerlCoreError
 from verl_core.hookspecs import ADVANTAGE_ESTIMATORS, ENVIRONMENTS, REWARD_FUNCTIONS
 
@@ -83,6 +83,12 @@ class CriticConfig:
             )
 
 
+def _tools_file(attribute: attrs.Attribute, value: str | None) -> None:
+    problem = None if value is None else functions_file_problem(value)
+    if problem is not None:
+        raise InvalidValue(attribute.name, problem)
+
+
 @attrs.define
 class AgentConfig:
     """The ``rollout.agent`` section: multi-turn rollouts with an environment (docs/agents.md).
@@ -95,7 +101,9 @@ class AgentConfig:
     environment: str | None = registered(ENVIRONMENTS, None)  # type: ignore[arg-type]
     #: For the ``tools`` environment: a ``.py`` file whose public functions are the tools the model
     #: may call (a relative path is relative to the working directory).
-    tools: str | None = None
+    tools: str | None = attrs.field(
+        default=None, validator=lambda _, attribute, value: _tools_file(attribute, value)
+    )
     #: Model turns per conversation at most (the environment answers between them).
     max_turns: int = attrs.field(default=4, validator=positive)
     #: Tokens one model turn may generate; 0: whatever is left of ``rollout.response_length``, the

@@ -401,7 +401,7 @@ def _stopped_message(config: Any, trainer: Any, code: int) -> str:
         return f"{what} while loading the configuration"
     if trainer is None:
         where = "while starting (before the first step)"
-    elif getattr(trainer, "stage", None):
+    elif trainer.stage is not None:
         where = trainer.stage
     elif trainer.global_step >= trainer.total_steps:
         where = f"after the last step ({trainer.global_step})"

@@ -158,9 +158,9 @@ def file_function_problem(spec: str) -> str | None:
     match = difflib.get_close_matches(name, bound, n=1)
     suggestion = f" (did you mean {match[0]!r}?)" if match else ""
     defined = ", ".join(functions) if functions else "none"
-    file = os.path.expanduser(path)
     return (
-        f"{file} defines no top-level function or assignment {name!r}{suggestion}; its functions: {defined}"
+        f"{os.path.expanduser(path)} defines no top-level function or assignment {name!r}{suggestion}; "
+        f"its functions: {defined}"
     )
 
 

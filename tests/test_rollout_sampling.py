@@ -1,0 +1,166 @@
+"""Drawing the next token (``verl_core.rollout.sampling``): the frequencies of many draws against the
+exact probabilities (a chi-square test), tokens outside top-k / top-p never drawn, seeds that
+reproduce, and the sampler variants the check must catch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_core.rollout import sampling as sampling_module
+from verl_core.rollout.base import SamplingParams
+from verl_core.rollout.sampling import draw, sample_next
+
+DRAWS = 20_000
+#: A correct sampler fails one check in a million; hypothesis runs a few dozen.
+SIGNIFICANCE = 1e-6
+
+
+def params(**changes) -> SamplingParams:
+    return SamplingParams(**({"max_new_tokens": 1, "eos_token_ids": (), "pad_token_id": 0} | changes))
+
+
+def exact_probabilities(logits: list[float], sampling: SamplingParams) -> torch.Tensor:
+    """Written out: softmax(logits / T) restricted to the top k, then to the smallest set of the most
+    likely tokens whose mass reaches top_p, renormalised."""
+    scaled = torch.tensor(logits, dtype=torch.float64) / sampling.temperature
+    order = sorted(range(len(logits)), key=lambda i: -scaled[i].item())
+    allowed = order[: sampling.top_k] if 0 < sampling.top_k < len(logits) else order
+    weights = scaled[allowed].exp() / scaled[allowed].exp().sum()
+    kept, mass = [], 0.0
+    for token, weight in zip(allowed, weights.tolist(), strict=True):
+        if sampling.top_p < 1.0 and mass >= sampling.top_p:
+            break
+        kept.append(token)
+        mass += weight
+    probabilities = torch.zeros(len(logits), dtype=torch.float64)
+    probabilities[kept] = scaled[kept].exp() / scaled[kept].exp().sum()
+    return probabilities
+
+
+def chi_square_p_value(counts: torch.Tensor, probabilities: torch.Tensor) -> float:
+    """Pearson's test of ``counts`` against ``probabilities``; the categories expected fewer than 5
+    times are pooled into one (the test's approximation needs it)."""
+    expected = probabilities * counts.sum()
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum()[None]]).double()
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    if len(expected) < 2:
+        return 1.0
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    degrees = len(expected) - 1
+    return float(torch.special.gammaincc(torch.tensor(degrees / 2.0), statistic / 2))
+
+
+def assert_draws_follow_the_distribution(
+    logits: list[float], sampling: SamplingParams, seed: int = 0
+) -> None:
+    rows = torch.tensor([logits], dtype=torch.float32).expand(DRAWS, -1)
+    tokens, _ = sample_next(rows, sampling, torch.Generator().manual_seed(seed))
+    counts = torch.bincount(tokens, minlength=len(logits))
+    probabilities = exact_probabilities(logits, sampling)
+    impossible = counts[probabilities == 0]
+    assert int(impossible.sum()) == 0, f"drew tokens of probability 0: counts {counts.tolist()}"
+    p_value = chi_square_p_value(counts, probabilities)
+    assert p_value > SIGNIFICANCE, (
+        f"frequencies {(counts / DRAWS).tolist()} against probabilities {probabilities.tolist()}: p={p_value:.2e}"
+    )
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    logits=st.lists(st.floats(-5, 5), min_size=2, max_size=12).filter(lambda xs: len(set(xs)) == len(xs)),
+    temperature=st.sampled_from([0.5, 1.0, 1.7]),
+    top_k=st.integers(0, 12),
+    top_p=st.sampled_from([1.0, 0.9, 0.5, 0.2]),
+    seed=st.integers(0, 2**31),
+)
+def test_the_draws_follow_the_exact_probabilities(logits, temperature, top_k, top_p, seed) -> None:
+    sampling = params(temperature=temperature, top_k=top_k, top_p=top_p)
+    assert_draws_follow_the_distribution(logits, sampling, seed)
+
+
+def test_a_large_vocabulary_with_one_likely_token_and_a_long_tail() -> None:
+    # Llama-sized: the tail's mass is spread over 49k tokens, each far below float32's precision of
+    # the running sum; together they hold about a third of the mass.
+    vocabulary = 49_152
+    logits = torch.full((vocabulary,), -10.0)
+    logits[7] = 0.0
+    logits[vocabulary - 1] = 1.0
+    probabilities = logits.double().softmax(dim=-1)
+    draws = 1000  # rows of 49k tokens: the memory of 20k would be gigabytes
+    tokens, _ = sample_next(logits.expand(draws, -1), params(), torch.Generator().manual_seed(3))
+    for token in (7, vocabulary - 1):
+        share = float((tokens == token).double().mean())
+        sigma = (probabilities[token] * (1 - probabilities[token]) / draws).sqrt()
+        assert abs(share - probabilities[token]) < 6 * sigma
+    tail = probabilities.clone()
+    tail[[7, vocabulary - 1]] = 0
+    share = float(((tokens != 7) & (tokens != vocabulary - 1)).double().mean())
+    assert abs(share - tail.sum()) < 6 * (tail.sum() * (1 - tail.sum()) / draws).sqrt()
+
+
+def test_certain_tokens_and_impossible_ones_at_the_ends_of_the_vocabulary() -> None:
+    for certain in (0, 5, 9):
+        log_probs = torch.full((4, 10), float("-inf"), dtype=torch.float64)
+        log_probs[:, certain] = 0.0
+        assert draw(log_probs, torch.Generator().manual_seed(certain)).tolist() == [certain] * 4
+
+
+def test_a_uniform_number_that_rounds_up_to_the_total_takes_the_last_possible_token(monkeypatch) -> None:
+    log_probs = torch.tensor([[0.5, 0.5, 0.0, 0.0]], dtype=torch.float64).log()
+    monkeypatch.setattr(torch, "rand", lambda shape, **kwargs: torch.ones(shape, dtype=torch.float64))
+    assert draw(log_probs, None).tolist() == [1]
+
+
+def test_the_same_seed_draws_the_same_tokens_and_another_seed_others() -> None:
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
+
+    def tokens(seed: int) -> torch.Tensor:
+        return sample_next(logits, params(), torch.Generator().manual_seed(seed))[0]
+
+    assert torch.equal(tokens(1), tokens(1))
+    assert not torch.equal(tokens(1), tokens(2))
+    generator = torch.Generator().manual_seed(1)
+    first, second = (sample_next(logits, params(), generator)[0] for _ in range(2))
+    assert not torch.equal(first, second)  # the generator moves on between steps
+
+
+# -- samplers the check must catch -----------------------------------------------------------------
+
+
+def off_by_one(log_probs, generator):
+    """Locates the uniform number one token too far (``right=True`` plus one)."""
+    return (draw(log_probs, generator) + 1).clamp(max=log_probs.shape[-1] - 1)
+
+
+def flattened(log_probs, generator):
+    """Draws from ``sqrt(p)`` renormalised, as a sampler that applies the temperature twice would."""
+    return draw((log_probs / 2).log_softmax(dim=-1), generator)
+
+
+def first_token_only(log_probs, generator):
+    """The same uniform number for every row: each row alone is right, the rows are not independent."""
+    cumulative = log_probs.double().exp().cumsum(dim=-1)
+    uniform = torch.rand((), generator=generator, dtype=torch.float64).expand(len(log_probs), 1)
+    return torch.searchsorted(cumulative, uniform.contiguous() * cumulative[:, -1:], right=True)[:, 0]
+
+
+def unfiltered(scaled, top_k, top_p):
+    """Ignores top-k / top-p: draws from the whole softmax."""
+    return scaled
+
+
+@pytest.mark.parametrize(
+    ("name", "broken"),
+    [("draw", off_by_one), ("draw", flattened), ("draw", first_token_only), ("filter_logits", unfiltered)],
+)
+def test_the_check_catches_a_sampler_that_draws_another_distribution(monkeypatch, name, broken) -> None:
+    monkeypatch.setattr(sampling_module, name, broken)
+    with pytest.raises(AssertionError):
+        assert_draws_follow_the_distribution([1.0, 0.2, -0.5, 2.0, 0.0], params(top_k=4, temperature=0.8))

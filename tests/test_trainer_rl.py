@@ -216,6 +216,10 @@ def test_truncated_importance_sampling_recomputes_the_old_log_probs(demo, tmp_pa
         final = trainer.fit()
         assert trainer.recompute_old_log_probs is recomputes and bool(calls) is recomputes
         assert ("actor/rollout_is_weight_mean" in final) is recomputes
+        # Logged with the recompute only; one dtype, one model: the two sides compute alike.
+        assert ("rollout/log_prob_diff_mean" in final) is recomputes
+        if recomputes:
+            assert final["rollout/log_prob_diff_max"] < 1e-5, final
 
 
 def test_a_fresh_run_refuses_to_save_among_an_earlier_runs_checkpoints(demo, tmp_path) -> None:

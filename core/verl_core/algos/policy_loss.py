@@ -108,8 +108,8 @@ def rollout_log_prob_mismatch(
     ``rollout/log_prob_diff_mean`` is the mean of ``d_t``, ``rollout/log_prob_diff_max`` its largest
     value, and ``rollout/prob_diff_mean`` the mean of ``|exp(old_log_prob_t) - exp(rollout_log_probs_t)|``.
     ``old_log_prob`` must be recomputed before any update (the weights the rollout sampled with):
-    the numbers then differ only by how the two compute (a rollout in reduced precision, another
-    inference engine), which is the gap truncated importance sampling corrects.
+    the numbers then differ only by how the two compute (a rollout in another dtype, ``rollout.dtype``;
+    another inference engine), which is the gap truncated importance sampling corrects.
     """
     mask = response_mask.bool()
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """Policy losses against references written out with loops over sequences and tokens (their loss and
-their gradient), clipping properties with hypothesis, rollout importance weights, the actor's total
-loss, and the uniform signature every built-in follows."""
+their gradient), clipping properties with hypothesis, rollout importance weights and the rollout's
+log-prob mismatch, the actor's total loss, and the uniform signature every built-in follows."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from verl_core.algos import catalog
-from verl_core.algos.policy_loss import PolicyLossFn, compute_actor_loss
+from verl_core.algos.policy_loss import PolicyLossFn, compute_actor_loss, rollout_log_prob_mismatch
 from verl_core.algos.registry import get_policy_loss
 from verl_core.config.algorithm import PolicyLossConfig
 from verl_core.data.batch import GlobalCounts
@@ -476,6 +476,62 @@ def test_rollout_importance_weights_need_rollout_log_probs() -> None:
         get_policy_loss("vanilla", REGISTRY)(
             **batch, config=PolicyLossConfig(rollout_is_cap=2.0), counts=counts_of(batch["response_mask"])
         )
+
+
+@st.composite
+def log_prob_pairs(draw: st.DrawFn) -> tuple[list[list[float]], list[list[float]], list[list[int]]]:
+    """Engine and rollout log-probs of a padded batch and its mask; masked positions hold anything."""
+    rows, length = draw(st.integers(1, 4)), draw(st.integers(1, 6))
+    log_probs = st.lists(
+        st.lists(st.floats(-30, 0), min_size=length, max_size=length), min_size=rows, max_size=rows
+    )
+    mask = draw(
+        st.lists(
+            st.lists(st.sampled_from([0, 1]), min_size=length, max_size=length), min_size=rows, max_size=rows
+        )
+    )
+    return draw(log_probs), draw(log_probs), mask
+
+
+def mismatch_property(mismatch):
+    """The property ``mismatch`` must hold: each metric is its formula, written out over the set tokens."""
+
+    @settings(max_examples=100, deadline=None, database=None)
+    @given(pair=log_prob_pairs())
+    def check(pair) -> None:
+        old, rollout, mask = pair
+        tokens = [(i, t) for i, row in enumerate(mask) for t, bit in enumerate(row) if bit]
+        diffs = [abs(old[i][t] - rollout[i][t]) for i, t in tokens]
+        prob_diffs = [abs(math.exp(old[i][t]) - math.exp(rollout[i][t])) for i, t in tokens]
+        metrics = mismatch(
+            old_log_prob=torch.tensor(old, dtype=F64),
+            rollout_log_probs=torch.tensor(rollout, dtype=F64),
+            response_mask=torch.tensor(mask),
+        )
+        assert metrics == {
+            "rollout/log_prob_diff_mean": pytest.approx(sum(diffs) / len(tokens) if tokens else 0.0),
+            "rollout/log_prob_diff_max": pytest.approx(max(diffs, default=0.0)),
+            "rollout/prob_diff_mean": pytest.approx(sum(prob_diffs) / len(tokens) if tokens else 0.0),
+        }
+
+    return check
+
+
+test_rollout_log_prob_mismatch_is_its_formula_over_the_response_tokens = mismatch_property(
+    rollout_log_prob_mismatch
+)
+
+
+def test_a_mismatch_that_also_averages_over_padding_fails_the_formula() -> None:
+    def over_every_token(*, old_log_prob, rollout_log_probs, response_mask):
+        return rollout_log_prob_mismatch(
+            old_log_prob=old_log_prob,
+            rollout_log_probs=rollout_log_probs,
+            response_mask=torch.ones_like(response_mask),
+        )
+
+    with pytest.raises(AssertionError):
+        mismatch_property(over_every_token)()
 
 
 def test_a_bad_aggregation_mode_is_refused_even_by_losses_that_fix_their_own() -> None:

@@ -51,6 +51,7 @@ from verl_core.config import (
     unstructure,
 )
 from verl_core.config.algorithm import FilterGroupsConfig, LossAggMode
+from verl_core.config.engine import DtypeName
 from verl_core.config.loading import fill_total_steps
 from verl_core.config.validators import InvalidValue
 from verl_core.errors import ConfigError, ConfigWarning
@@ -95,6 +96,16 @@ algorithm: {adv_estimator: grpo}
 rollout: {n: 2}
 data: {train_batch_size: 8, train_files: [a.jsonl, b.jsonl]}
 """
+
+#: ``VALID`` as overrides, for tests that load many configs (hypothesis) without files.
+OVERRIDES = [
+    "actor.engine.backend=toy",
+    "actor.engine.model.path=/models/tiny",
+    "actor.ppo_mini_batch_size=4",
+    "algorithm.adv_estimator=grpo",
+    "rollout.n=2",
+    "data.train_batch_size=8",
+]
 
 
 def write(directory: Path, name: str, text: str) -> str:
@@ -302,6 +313,27 @@ def test_bad_literal_lists_the_allowed_values(tmp_path):
         "actor.policy_loss.loss_agg_mode": f"expected one of {allowed}; got 'token_mean' (did you mean "
         "'token-mean'?) (from override 'actor.policy_loss.loss_agg_mode=token_mean')"
     }
+
+
+def test_a_bad_rollout_dtype_names_the_key_the_dtypes_and_the_close_one(tmp_path):
+    errors = errors_of(tmp_path, overrides=["rollout.dtype=bf16"])
+    assert errors == {
+        "rollout.dtype": "expected one of 'float32', 'bfloat16', 'float16'; got 'bf16' (did you mean "
+        "'bfloat16'?) (from override 'rollout.dtype=bf16')"
+    }
+
+
+dtypes = st.sampled_from(typing.get_args(DtypeName))
+
+
+@given(actor=dtypes, rollout=st.none() | dtypes)
+def test_the_rollout_model_is_the_actors_in_rollout_dtype(actor, rollout):
+    overrides = [f"actor.engine.model.dtype={actor}", f"rollout.dtype={rollout or 'null'}"]
+    config = load_config([], [*OVERRIDES, *overrides], registry=REGISTRY)
+    assert config.rollout.dtype == rollout
+    assert config.rollout_model == attrs.evolve(config.actor.engine.model, dtype=rollout or actor)
+    if rollout in (None, actor):
+        assert config.rollout_model is config.actor.engine.model
 
 
 def test_wrong_types_in_lists_and_tuples_name_the_index(tmp_path):

@@ -229,6 +229,7 @@ rollouts = options.flatmap(
         top_k=st.integers(0, 100),
         prompt_length=st.integers(1, 4096),
         response_length=st.integers(1, 4096),
+        dtype=st.none() | literal(field_type(ModelConfig, "dtype")),
     )
 )
 rewards = st.builds(

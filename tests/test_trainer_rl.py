@@ -10,6 +10,7 @@ import torch
 from fixtures.demo import build_small_demo, run_overrides
 
 from verl_core.config import load_config
+from verl_core.data.batch import OLD_LOG_PROBS, ROLLOUT_LOG_PROBS
 from verl_core.engine.checkpoint import MARKER_FILE
 from verl_core.errors import ConfigError
 from verl_core.trainer import checkpoints
@@ -216,6 +217,36 @@ def test_truncated_importance_sampling_recomputes_the_old_log_probs(demo, tmp_pa
         final = trainer.fit()
         assert trainer.recompute_old_log_probs is recomputes and bool(calls) is recomputes
         assert ("actor/rollout_is_weight_mean" in final) is recomputes
+        # Logged with the recompute only; one dtype, one model: the two sides compute alike.
+        assert ("rollout/log_prob_diff_mean" in final) is recomputes
+        if recomputes:
+            assert final["rollout/log_prob_diff_max"] < 1e-5, final
+
+
+@pytest.mark.parametrize(("dtype", "recomputes"), [("bfloat16", True), ("float32", False)])
+def test_a_rollout_in_another_dtype_than_the_engines_has_the_engine_recompute(
+    demo, tmp_path, dtype, recomputes
+) -> None:
+    trainer = trainer_for(demo, tmp_path, **{"rollout.dtype": dtype, "trainer.total_training_steps": 1})
+    worker = trainer.actor.group.worker
+    assert {p.dtype for p in worker.rollout.model.parameters()} == {getattr(torch, dtype)}
+    assert {p.dtype for p in worker.policy.module.parameters()} == {torch.float32}  # the actor's dtype
+    calls = []
+    compute = trainer.actor.compute_log_probs
+    trainer.actor.compute_log_probs = lambda batch: calls.append(len(batch)) or compute(batch)
+    trainer.fit()
+    assert trainer.recompute_old_log_probs is recomputes and bool(calls) is recomputes
+    batch, logged = trainer.last_batch, metrics_lines(tmp_path)[-1]
+    # On policy in the engine's dtype the rollout's log-probs are the old ones; else the engine's are.
+    assert torch.equal(batch[OLD_LOG_PROBS], batch[ROLLOUT_LOG_PROBS]) is not recomputes
+    if not recomputes:
+        assert not any(key.startswith("rollout/") for key in logged)
+        return
+    # bfloat16 rounds the weights and the activations: the rollout's log-probs move, by about 7e-4 on
+    # average here (3e-3 at most), where float32 on both sides gives 0 (the test above).
+    mean, largest = logged["rollout/log_prob_diff_mean"], logged["rollout/log_prob_diff_max"]
+    assert 1e-4 < mean <= largest < 1.0, logged
+    assert 0 < logged["rollout/prob_diff_mean"] <= mean, logged  # exp is 1-Lipschitz below 0
 
 
 def test_a_fresh_run_refuses_to_save_among_an_earlier_runs_checkpoints(demo, tmp_path) -> None:

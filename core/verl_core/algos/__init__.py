@@ -37,6 +37,7 @@ _EXPORTS = {
     "compute_policy_loss_dro": _POLICY_LOSS,
     "compute_policy_loss_sapo": _POLICY_LOSS,
     "rollout_importance_weights": _POLICY_LOSS,
+    "rollout_log_prob_mismatch": _POLICY_LOSS,
     # value loss
     "compute_value_loss": "verl_core.algos.value_loss",
     # KL

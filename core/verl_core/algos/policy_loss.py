@@ -17,7 +17,8 @@ global ``counts``; ``metrics`` maps names to floats computed over this micro-bat
 
 With ``config.rollout_is_cap`` set, every loss here multiplies its per-token loss by the truncated
 importance weight ``min(exp(old_log_prob - rollout_log_probs), cap)`` (no gradient), correcting for
-the rollout engine sampling from a slightly different distribution than the trainer computes.
+the rollout engine sampling from a slightly different distribution than the trainer computes;
+``rollout_log_prob_mismatch`` measures how different (the trainer logs it whenever it recomputes).
 
 Formulas and papers: docs/algorithms.md.
 """
@@ -95,6 +96,30 @@ def rollout_importance_weights(
         "actor/rollout_is_clipfrac": masked_mean((ratio > cap).float(), response_mask),
     }
     return weights, metrics
+
+
+def rollout_log_prob_mismatch(
+    *, old_log_prob: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """How far the rollout's log-probs of its sampled tokens are from the training engine's, over the
+    tokens ``response_mask`` sets (environment tokens and padding never count); 0 with none set.
+
+    With ``d_t = |old_log_prob_t - rollout_log_probs_t|`` over the set tokens:
+    ``rollout/log_prob_diff_mean`` is the mean of ``d_t``, ``rollout/log_prob_diff_max`` its largest
+    value, and ``rollout/prob_diff_mean`` the mean of ``|exp(old_log_prob_t) - exp(rollout_log_probs_t)|``.
+    ``old_log_prob`` must be recomputed before any update (the weights the rollout sampled with):
+    the numbers then differ only by how the two compute (a rollout in another dtype, ``rollout.dtype``;
+    another inference engine), which is the gap truncated importance sampling corrects.
+    """
+    mask = response_mask.bool()
+    with torch.no_grad():
+        diff = torch.where(mask, (old_log_prob - rollout_log_probs).abs(), 0.0)
+        prob_diff = (old_log_prob.exp() - rollout_log_probs.exp()).abs()
+        return {
+            "rollout/log_prob_diff_mean": float(masked_mean(diff, mask)),
+            "rollout/log_prob_diff_max": float(diff.max()),
+            "rollout/prob_diff_mean": float(masked_mean(prob_diff, mask)),
+        }
 
 
 def _finish(

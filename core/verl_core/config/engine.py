@@ -28,12 +28,17 @@ def _target_modules(instance: Any, attribute: attrs.Attribute[Any], value: str |
         each(non_empty)(instance, attribute, value)
 
 
+#: The dtypes a model is loaded in (``verl_core.engine.hf.DTYPES`` maps each to torch's): an engine's
+#: ``model.dtype``, and ``rollout.dtype``.
+DtypeName = Literal["float32", "bfloat16", "float16"]
+
+
 @attrs.define
 class ModelConfig:
     """The Hugging Face model an engine owns, loaded from a local directory (``save_pretrained`` layout)."""
 
     path: str = attrs.field(validator=non_empty)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: DtypeName = "float32"
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
     gradient_checkpointing: bool = False

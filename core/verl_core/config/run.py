@@ -18,7 +18,7 @@ from typing import Any, Literal
 import attrs
 
 from verl_core.config.algorithm import AlgorithmConfig, CriticLossConfig, PolicyLossConfig
-from verl_core.config.engine import EngineConfig
+from verl_core.config.engine import DtypeName, EngineConfig, ModelConfig
 from verl_core.config.names import current_registry, functions_file_problem, registered
 from verl_core.config.validators import InvalidValue, each_rule, in_range, non_empty, non_negative, positive
 from verl_core.errors import VerlCoreError
@@ -141,6 +141,11 @@ class RolloutConfig:
     #: Longest prompt, in tokens (longer ones are filtered out); generated tokens per response at most.
     prompt_length: int = attrs.field(default=512, validator=positive)
     response_length: int = attrs.field(default=512, validator=positive)
+    #: The dtype the rollout's model generates in (``float32``, ``bfloat16``, ``float16``); ``None``:
+    #: the actor's, ``actor.engine.model.dtype``. In another dtype than the actor's, the rollout samples
+    #: from a slightly different distribution than the engine trains, so the old log-probs are always
+    #: recomputed by the engine (``RLTrainer.recompute_old_log_probs``).
+    dtype: DtypeName | None = None
     #: Multi-turn rollouts with an environment (tools); off unless ``agent.environment`` is set.
     agent: AgentConfig = attrs.field(factory=AgentConfig)
 
@@ -204,7 +209,8 @@ class TrainerConfig:
     #: An existing Ray cluster to join (``ray://host:port`` or ``host:port``); ``None`` starts a local one.
     ray_address: str | None = None
     #: Recompute the old log-probs with the training engine even when the rollout's are exact (one
-    #: mini-batch, one epoch: then they are the same policy's, and the recompute is skipped).
+    #: mini-batch, one epoch, ``rollout.dtype`` the engine's: then they are the same policy's, and the
+    #: recompute is skipped). A recompute also logs how far the rollout's are from them (``rollout/*``).
     recompute_old_log_probs: bool = False
     #: Validation: responses per prompt (``k`` of mean@k and pass@k) and their sampling temperature
     #: (0: greedy).
@@ -278,6 +284,13 @@ class RunConfig:
     def ref_engine(self) -> EngineConfig:
         """The reference policy's engine config: ``ref.engine``, or else the actor's."""
         return self.ref.engine if self.ref.engine is not None else self.actor.engine
+
+    @property
+    def rollout_model(self) -> ModelConfig:
+        """The model the rollout is built with: the actor's, in ``rollout.dtype`` when that is set."""
+        model = self.actor.engine.model
+        dtype = self.rollout.dtype
+        return model if dtype is None or dtype == model.dtype else attrs.evolve(model, dtype=dtype)
 
     @property
     def uses_kl(self) -> bool:

@@ -1,7 +1,8 @@
 """The RL loop: GRPO, PPO with GAE, RLOO, REINFORCE++, DAPO and relatives, in verl's order.
 
 One training step, as ``train_step`` reads top to bottom: generate ``rollout.n`` responses per prompt,
-score them, the old log-probs (the rollout's own when provably exact: one mini-batch, one epoch), the
+score them, the old log-probs (the rollout's own when provably exact: one mini-batch, one epoch, the
+engine's dtype; otherwise recomputed, and compared with the rollout's: ``rollout/*``), the
 reference log-probs (only with a KL term), the critic's values (only with a critic), KL in the reward
 (optional), advantages by the configured estimator, the critic's update, the actor's update, and the
 trained weights into the rollout. ``fit`` runs the steps, validates every ``test_freq`` steps, saves a
@@ -22,6 +23,7 @@ from tensordict import TensorDict
 
 from verl_core.agents.session import build_agent_loop, run_conversations, turns
 from verl_core.algos.kl import apply_kl_penalty, build_kl_controller
+from verl_core.algos.policy_loss import rollout_log_prob_mismatch
 from verl_core.algos.registry import get_advantage_estimator
 from verl_core.config.run import RunConfig
 from verl_core.data.batch import (
@@ -175,6 +177,12 @@ class RLTrainer(Trainer):
         with timer.phase("old_log_probs"):
             if self.recompute_old_log_probs:
                 batch[OLD_LOG_PROBS] = self.actor.compute_log_probs(batch)
+                if ROLLOUT_LOG_PROBS in batch.keys():  # the same weights, as each side computes them
+                    metrics |= rollout_log_prob_mismatch(
+                        old_log_prob=batch[OLD_LOG_PROBS],
+                        rollout_log_probs=batch[ROLLOUT_LOG_PROBS],
+                        response_mask=batch[RESPONSE_MASK],
+                    )
             else:  # one mini-batch, one epoch: the rollout sampled from exactly the policy being updated
                 batch[OLD_LOG_PROBS] = batch[ROLLOUT_LOG_PROBS]
         if self.config.uses_kl:
@@ -275,14 +283,18 @@ class RLTrainer(Trainer):
     @property
     def recompute_old_log_probs(self) -> bool:
         """Whether the old log-probs must come from the training engine: several updates per batch
-        (mini-batches or epochs) move the policy away from the rollout's before some of them, and
-        truncated importance sampling (``rollout_is_cap``) weighs the engine's against the rollout's."""
+        (mini-batches or epochs) move the policy away from the rollout's before some of them,
+        truncated importance sampling (``rollout_is_cap``) weighs the engine's against the rollout's,
+        and a rollout in another dtype than the engine's (``rollout.dtype``) samples from another
+        distribution than the one the engine computes: PPO's ratio must compare the engine with itself,
+        or its rounding differences would count as policy change (and be clipped as such)."""
         config = self.config
         return (
             config.trainer.recompute_old_log_probs
             or self.num_mini_batches > 1
             or config.actor.ppo_epochs > 1
             or config.actor.policy_loss.rollout_is_cap is not None
+            or config.rollout_model.dtype != config.actor.engine.model.dtype
         )
 
     def generate(

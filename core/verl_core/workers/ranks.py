@@ -104,7 +104,7 @@ class ActorWorker:
             self.ref = build_engine(config.ref_engine, "lm", registry, config_path=ref_path)
         entry = registry.entry(ROLLOUT_BACKENDS, config.rollout.backend, where="rollout.backend")
         self.rollout = entry.load("rollout")(
-            config.actor.engine.model,
+            config.rollout_model,
             config.rollout.options,
             device=str(self.policy.device),
             config_path="rollout",

@@ -355,6 +355,31 @@ def test_grpo_with_lora_in_process_exports_a_merged_model_and_an_adapter_that_lo
         torch.testing.assert_close(infer(resumed, batch)[LOG_PROBS][mask], base[mask], atol=1e-5, rtol=0)
 
 
+def test_a_run_from_a_saved_adapter_generates_with_it_from_the_first_step(demo, tmp_path) -> None:
+    adapter = tmp_path / "adapter"
+    engine = build_engine(
+        EngineConfig(backend="ddp", model=ModelConfig(path=str(demo.model), lora_rank=8), device="cpu")
+    )
+    engine.initialize()
+    with torch.no_grad():  # an adapter that changes the policy (peft starts B at zero)
+        for name, parameter in engine.module.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.5)
+    engine.module.save_pretrained(adapter)
+    overrides = run_overrides(
+        demo,
+        tmp_path,
+        **{
+            "actor.engine.model.lora_adapter_path": str(adapter),
+            "trainer.recompute_old_log_probs": "true",  # the engine's log-probs beside the rollout's
+            "trainer.total_training_steps": 1,
+        },
+    )
+    first = RLTrainer.from_config(load_config([], overrides), show_progress=False).fit()
+    # The rollout sampled from the policy the engine trains (it once sampled from the base model).
+    assert first["rollout/log_prob_diff_max"] < 1e-4
+
+
 def test_a_missing_adapter_is_reported_before_the_run_starts(demo, tmp_path) -> None:
     from verl_core.trainer.preflight import check_run
 

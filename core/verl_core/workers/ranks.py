@@ -115,6 +115,9 @@ class ActorWorker:
         if self.ref is not None:
             self.ref.initialize()
         self.rollout.initialize()
+        if self.config.actor.engine.model.lora_adapter_path is not None:
+            # The rollout loaded the base model; the policy is the base with the saved adapter.
+            self.sync_weights()
         return engine_topology(self.policy)
 
     # -- generation --------------------------------------------------------------------------------

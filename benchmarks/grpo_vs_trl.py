@@ -114,7 +114,10 @@ def summarize(step_seconds: list[float], step_tokens: list[int], phases: list[di
 # -- this trainer --------------------------------------------------------------------------------
 
 
-def run_ours(paths: Any, work: Path, args: argparse.Namespace, threads: int) -> dict:
+def run_ours(
+    paths: Any, work: Path, args: argparse.Namespace, threads: int, overrides: dict[str, Any] | None = None
+) -> dict:
+    """This trainer's run; ``overrides`` (config keys) replace the settings' (another device, dtype)."""
     from verl_core.config import load_config
     from verl_core.trainer.rl import RLTrainer
 
@@ -152,6 +155,7 @@ def run_ours(paths: Any, work: Path, args: argparse.Namespace, threads: int) -> 
         "trainer.logger": "[]",
         "trainer.save_hf_model": "false",
     }
+    values |= overrides or {}
     config = load_config([], [f"{key}={value}" for key, value in values.items()])
     assert not config.uses_kl
     trainer = RLTrainer.from_config(config, show_progress=False)

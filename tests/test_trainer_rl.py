@@ -223,30 +223,49 @@ def test_truncated_importance_sampling_recomputes_the_old_log_probs(demo, tmp_pa
             assert final["rollout/log_prob_diff_max"] < 1e-5, final
 
 
-@pytest.mark.parametrize(("dtype", "recomputes"), [("bfloat16", True), ("float32", False)])
-def test_a_rollout_in_another_dtype_than_the_engines_has_the_engine_recompute(
-    demo, tmp_path, dtype, recomputes
+@pytest.mark.parametrize(
+    ("dtype", "recompute", "source"),
+    [("bfloat16", False, "update"), ("bfloat16", True, "engine"), ("float32", False, "rollout")],
+)
+def test_the_old_log_probs_of_a_rollout_in_another_dtype_are_the_engines(
+    demo, tmp_path, dtype, recompute, source
 ) -> None:
-    trainer = trainer_for(demo, tmp_path, **{"rollout.dtype": dtype, "trainer.total_training_steps": 1})
+    changes = {"rollout.dtype": dtype, "trainer.recompute_old_log_probs": str(recompute).lower()}
+    trainer = trainer_for(demo, tmp_path, **changes, **{"trainer.total_training_steps": 1})
     worker = trainer.actor.group.worker
     assert {p.dtype for p in worker.rollout.model.parameters()} == {getattr(torch, dtype)}
     assert {p.dtype for p in worker.policy.module.parameters()} == {torch.float32}  # the actor's dtype
+    assert trainer.config.old_log_probs_source(trainer.num_mini_batches) == source
     calls = []
     compute = trainer.actor.compute_log_probs
     trainer.actor.compute_log_probs = lambda batch: calls.append(len(batch)) or compute(batch)
     trainer.fit()
-    assert trainer.recompute_old_log_probs is recomputes and bool(calls) is recomputes
+    assert trainer.recompute_old_log_probs is (source == "engine") and bool(calls) is (source == "engine")
     batch, logged = trainer.last_batch, metrics_lines(tmp_path)[-1]
-    # On policy in the engine's dtype the rollout's log-probs are the old ones; else the engine's are.
-    assert torch.equal(batch[OLD_LOG_PROBS], batch[ROLLOUT_LOG_PROBS]) is not recomputes
-    if not recomputes:
+    assert torch.equal(batch[OLD_LOG_PROBS], batch[ROLLOUT_LOG_PROBS]) is (source != "engine")
+    if source == "rollout":
         assert not any(key.startswith("rollout/") for key in logged)
         return
+    if source == "update":
+        # The update's own log-probs, detached: PPO's ratio is exactly 1 (the rollout's bf16 log-probs
+        # in its place would read as a policy change: the broken variant below).
+        assert logged["actor/ppo_kl"] == 0.0 and logged["actor/pg_clipfrac"] == 0.0, logged
     # bfloat16 rounds the weights and the activations: the rollout's log-probs move, by about 7e-4 on
     # average here (3e-3 at most), where float32 on both sides gives 0 (the test above).
     mean, largest = logged["rollout/log_prob_diff_mean"], logged["rollout/log_prob_diff_max"]
     assert 1e-4 < mean <= largest < 1.0, logged
     assert 0 < logged["rollout/prob_diff_mean"] <= mean, logged  # exp is 1-Lipschitz below 0
+
+
+def test_an_update_that_takes_the_bfloat16_rollouts_log_probs_as_the_old_ones_is_caught(
+    demo, tmp_path, monkeypatch
+) -> None:
+    from verl_core.config.run import RunConfig
+
+    monkeypatch.setattr(RunConfig, "old_log_probs_source", lambda self, num_mini_batches: "rollout")
+    trainer = trainer_for(demo, tmp_path, **{"rollout.dtype": "bfloat16", "trainer.total_training_steps": 1})
+    trainer.fit()
+    assert metrics_lines(tmp_path)[-1]["actor/ppo_kl"] != 0.0
 
 
 def test_a_fresh_run_refuses_to_save_among_an_earlier_runs_checkpoints(demo, tmp_path) -> None:

@@ -143,8 +143,8 @@ class RolloutConfig:
     response_length: int = attrs.field(default=512, validator=positive)
     #: The dtype the rollout's model generates in (``float32``, ``bfloat16``, ``float16``); ``None``:
     #: the actor's, ``actor.engine.model.dtype``. In another dtype than the actor's, the rollout samples
-    #: from a slightly different distribution than the engine trains, so the old log-probs are always
-    #: recomputed by the engine (``RLTrainer.recompute_old_log_probs``).
+    #: from a slightly different distribution than the engine trains, so the old log-probs are the
+    #: engine's (``RunConfig.old_log_probs_source``).
     dtype: DtypeName | None = None
     #: Multi-turn rollouts with an environment (tools); off unless ``agent.environment`` is set.
     agent: AgentConfig = attrs.field(factory=AgentConfig)
@@ -208,9 +208,9 @@ class TrainerConfig:
     world_size: int = attrs.field(default=1, validator=positive)
     #: An existing Ray cluster to join (``ray://host:port`` or ``host:port``); ``None`` starts a local one.
     ray_address: str | None = None
-    #: Recompute the old log-probs with the training engine even when the rollout's are exact (one
-    #: mini-batch, one epoch, ``rollout.dtype`` the engine's: then they are the same policy's, and the
-    #: recompute is skipped). A recompute also logs how far the rollout's are from them (``rollout/*``).
+    #: Recompute the old log-probs with the training engine before the update even with one update per
+    #: batch (one mini-batch, one epoch), where the rollout's own (or, with ``rollout.dtype`` set, the
+    #: update's) are the same policy's. A recompute also logs how far the rollout's are from them.
     recompute_old_log_probs: bool = False
     #: Validation: responses per prompt (``k`` of mean@k and pass@k) and their sampling temperature
     #: (0: greedy).
@@ -291,6 +291,30 @@ class RunConfig:
         model = self.actor.engine.model
         dtype = self.rollout.dtype
         return model if dtype is None or dtype == model.dtype else attrs.evolve(model, dtype=dtype)
+
+    def old_log_probs_source(self, num_mini_batches: int) -> str:
+        """Where a step's old log-probs (PPO's ratio denominator) come from, with ``num_mini_batches``
+        optimiser steps per batch and epoch:
+
+        - ``"engine"``: recomputed by the training engine before the update. Several updates per batch
+          (mini-batches, epochs) move the policy away from the rollout's before some of them; truncated
+          importance sampling (``rollout_is_cap``) weighs the engine's against the rollout's; a KL penalty
+          in the reward reads them before the update; or ``trainer.recompute_old_log_probs`` asks for it.
+        - ``"update"``: one update, and a rollout in another dtype than the engine's (``rollout.dtype``):
+          the update's own forward pass, detached (the policy being updated is the one that sampled;
+          the rollout's log-probs differ from the engine's by rounding, which PPO's ratio would count as
+          policy change and clip). As TRL and verl do on-policy; it saves the engine a forward pass.
+        - ``"rollout"``: one update, the same dtype: the rollout's own log-probs.
+        """
+        if (
+            self.trainer.recompute_old_log_probs
+            or num_mini_batches > 1
+            or self.actor.ppo_epochs > 1
+            or self.actor.policy_loss.rollout_is_cap is not None
+            or (self.algorithm.use_kl_in_reward and self.rollout_model.dtype != self.actor.engine.model.dtype)
+        ):
+            return "engine"
+        return "update" if self.rollout_model.dtype != self.actor.engine.model.dtype else "rollout"
 
     @property
     def uses_kl(self) -> bool:

@@ -184,6 +184,8 @@ class RLTrainer(Trainer):
                         response_mask=batch[RESPONSE_MASK],
                     )
             else:  # one mini-batch, one epoch: the rollout sampled from exactly the policy being updated
+                # (in another dtype, the update takes them from its own forward pass: these stand in
+                # until then, for what reads them before the update)
                 batch[OLD_LOG_PROBS] = batch[ROLLOUT_LOG_PROBS]
         if self.config.uses_kl:
             with timer.phase("ref_log_probs"):
@@ -282,20 +284,9 @@ class RLTrainer(Trainer):
 
     @property
     def recompute_old_log_probs(self) -> bool:
-        """Whether the old log-probs must come from the training engine: several updates per batch
-        (mini-batches or epochs) move the policy away from the rollout's before some of them,
-        truncated importance sampling (``rollout_is_cap``) weighs the engine's against the rollout's,
-        and a rollout in another dtype than the engine's (``rollout.dtype``) samples from another
-        distribution than the one the engine computes: PPO's ratio must compare the engine with itself,
-        or its rounding differences would count as policy change (and be clipped as such)."""
-        config = self.config
-        return (
-            config.trainer.recompute_old_log_probs
-            or self.num_mini_batches > 1
-            or config.actor.ppo_epochs > 1
-            or config.actor.policy_loss.rollout_is_cap is not None
-            or config.rollout_model.dtype != config.actor.engine.model.dtype
-        )
+        """Whether the training engine recomputes the old log-probs before the update
+        (``RunConfig.old_log_probs_source`` says when and why)."""
+        return self.config.old_log_probs_source(self.num_mini_batches) == "engine"
 
     def generate(
         self, rows: list[PromptRow], sampling: SamplingParams, seed: int, n: int | None = None

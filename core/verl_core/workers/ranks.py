@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_core.algos.aggregation import TOKEN_MEAN, agg_loss
-from verl_core.algos.policy_loss import compute_actor_loss
+from verl_core.algos.policy_loss import compute_actor_loss, rollout_log_prob_mismatch
 from verl_core.algos.registry import get_policy_loss
 from verl_core.algos.value_loss import compute_value_loss
 from verl_core.config.run import RunConfig
@@ -169,14 +169,24 @@ class ActorWorker:
         batch = batch.copy()
         batch.set_non_tensor(TEMPERATURE, self.config.rollout.temperature)
         batch.set_non_tensor(COMPUTE_ENTROPY, policy_config.entropy_coeff != 0)
+        in_update = self.config.old_log_probs_source(num_mini_batches) == "update"
 
         def loss_fn(
             output: dict[str, torch.Tensor], micro_batch: TensorDict, dp_group: Any
         ) -> tuple[torch.Tensor, dict[str, float]]:
             keys = micro_batch.keys()
-            return compute_actor_loss(
+            old_log_prob = micro_batch[OLD_LOG_PROBS]
+            mismatch = {}
+            if in_update:  # on-policy, a rollout in another dtype: the engine's own, before this step
+                old_log_prob = output[LOG_PROBS].detach()
+                mismatch = rollout_log_prob_mismatch(
+                    old_log_prob=old_log_prob,
+                    rollout_log_probs=micro_batch[ROLLOUT_LOG_PROBS],
+                    response_mask=micro_batch[RESPONSE_MASK],
+                )
+            loss, metrics = compute_actor_loss(
                 log_prob=output[LOG_PROBS],
-                old_log_prob=micro_batch[OLD_LOG_PROBS],
+                old_log_prob=old_log_prob,
                 advantages=micro_batch[ADVANTAGES],
                 response_mask=micro_batch[RESPONSE_MASK],
                 config=policy_config,
@@ -186,6 +196,7 @@ class ActorWorker:
                 rollout_log_probs=micro_batch[ROLLOUT_LOG_PROBS] if ROLLOUT_LOG_PROBS in keys else None,
                 policy_loss=self.policy_loss,
             )
+            return loss, metrics | mismatch
 
         return update_engine(
             self.policy, batch, loss_fn, num_mini_batches, self.config.actor.ppo_epochs, "actor"

@@ -12,7 +12,7 @@ from tensordict import TensorDict
 
 from verl_core.config.engine import MicroBatchConfig
 from verl_core.data import microbatch
-from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS
+from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS, select_rows
 from verl_core.data.microbatch import partition_by_token_budget, split_micro_batches
 
 lengths_strategy = st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=24)
@@ -88,6 +88,18 @@ def test_partition_is_balanced() -> None:
     lengths = [25, 20, 15, 10, 5, 5]
     loads = sorted(sum(lengths[i] for i in g) for g in partition_by_token_budget(lengths, budget=40))
     assert loads == [40, 40]
+
+
+def test_select_rows_shares_the_tensors_only_for_every_row_in_order() -> None:
+    batch = make_batch([3, 5, 2])
+    whole = select_rows(batch, torch.arange(3))
+    assert whole[INPUT_IDS].data_ptr() == batch[INPUT_IDS].data_ptr()
+    whole[ATTENTION_MASK] = torch.zeros_like(whole[ATTENTION_MASK])  # a shallow copy: the batch keeps its own
+    assert int(batch[ATTENTION_MASK].sum()) == 10
+    for index in ([2, 1, 0], [0, 2], [0, 1, 2, 2]):
+        part = select_rows(batch, torch.tensor(index))
+        assert torch.equal(part[INPUT_IDS], batch[INPUT_IDS][index])
+        assert part[INPUT_IDS].data_ptr() != batch[INPUT_IDS].data_ptr()
 
 
 def test_more_micro_batches_than_sequences_names_the_fix() -> None:

@@ -179,6 +179,15 @@ def concat_batches(batches: list[TensorDict], pad_token_id: int = 0) -> TensorDi
     return merged
 
 
+def select_rows(batch: TensorDict, index: torch.Tensor) -> TensorDict:
+    """``batch[index]`` (``index``: 1-d row positions); when ``index`` is every row in order (one DP
+    rank, one mini- or micro-batch) a shallow copy, which shares the tensors instead of copying them."""
+    rows = batch.batch_size[0]
+    if index.numel() == rows and bool((index == torch.arange(rows, device=index.device)).all()):
+        return batch.copy()
+    return batch[index]
+
+
 def attach_global_counts(batch: TensorDict, counts: GlobalCounts) -> TensorDict:
     """Store ``counts`` on ``batch`` (survives ``split``, indexing and ``torch.cat``)."""
     batch.set_non_tensor(GLOBAL_COUNTS, counts)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_core.config.engine import MicroBatchConfig
-from verl_core.data.batch import ATTENTION_MASK
+from verl_core.data.batch import ATTENTION_MASK, select_rows
 from verl_core.distributed import all_reduce_max
 
 T = TypeVar("T", torch.Tensor, TensorDict)
@@ -82,7 +82,7 @@ def split_micro_batches(
     else:
         indices = list(torch.arange(num_seqs).tensor_split(count))
     restore_index = torch.argsort(torch.cat(indices))
-    return MicroBatchSplit([batch[index] for index in indices], indices, restore_index)
+    return MicroBatchSplit([select_rows(batch, index) for index in indices], indices, restore_index)
 
 
 def partition_by_token_budget(

@@ -119,12 +119,14 @@ class HFRollout(BaseRollout):
         source = torch.tensor([distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts])
         distinct_ids, distinct_mask = left_pad([list(prompt) for prompt in distinct], sampling.pad_token_id)
 
-        responses = torch.full((batch, sampling.max_new_tokens), sampling.pad_token_id, dtype=torch.int64)
-        log_probs = torch.zeros(batch, sampling.max_new_tokens)
-        response_mask = torch.zeros(batch, sampling.max_new_tokens, dtype=torch.int64)
         # The rows still decoding: a row that has sampled EOS leaves the batch (and the cache), so
         # the steps after it cost only what the rows still generating need.
         rows = torch.arange(batch)
+        # Each step's rows, tokens and log-probs, written into the responses once decoding ends: one
+        # indexed write per tensor, not three per step (about 2% of a small model's rollout on the CPU).
+        sampled_rows: list[torch.Tensor] = []
+        sampled_tokens: list[torch.Tensor] = []
+        sampled_log_probs: list[torch.Tensor] = []
         next_position = prompt_mask.sum(dim=-1).to(device)  # each row's next position: its prompt length
         decoder = self._decoder
         logits = decoder.prefill(
@@ -139,9 +141,9 @@ class HFRollout(BaseRollout):
         steps = 0
         for step in range(sampling.max_new_tokens):
             tokens, token_log_probs = sample_next(logits, sampling, generator)
-            responses[rows, step] = tokens.cpu()
-            log_probs[rows, step] = token_log_probs.cpu()
-            response_mask[rows, step] = 1
+            sampled_rows.append(rows)
+            sampled_tokens.append(tokens)
+            sampled_log_probs.append(token_log_probs)
             steps = step + 1
             going_on = ~torch.isin(tokens, eos)
             if not bool(going_on.any()) or steps == sampling.max_new_tokens:
@@ -152,10 +154,19 @@ class HFRollout(BaseRollout):
                 rows, tokens, next_position = rows[keep.cpu()], tokens[keep], next_position[keep]
             logits = decoder.step(tokens, next_position)
             next_position = next_position + 1
-        output = join_prompts_and_responses(
-            prompt_ids, prompt_mask, responses[:, :steps], response_mask[:, :steps]
+        # (row, step) of every sampled token.
+        at = (
+            torch.cat(sampled_rows),
+            torch.arange(steps).repeat_interleave(torch.tensor([len(rows) for rows in sampled_rows])),
         )
-        output[ROLLOUT_LOG_PROBS] = log_probs[:, :steps]
+        responses = torch.full((batch, steps), sampling.pad_token_id, dtype=torch.int64)
+        responses[at] = torch.cat(sampled_tokens).cpu()
+        log_probs = torch.zeros(batch, steps)
+        log_probs[at] = torch.cat(sampled_log_probs).cpu()
+        response_mask = torch.zeros(batch, steps, dtype=torch.int64)
+        response_mask[at] = 1
+        output = join_prompts_and_responses(prompt_ids, prompt_mask, responses, response_mask)
+        output[ROLLOUT_LOG_PROBS] = log_probs
         return output
 
     def _initialized(self) -> torch.nn.Module:

@@ -261,12 +261,11 @@ class RLTrainer(Trainer):
             if filtering.enable:
                 scores = batch[SCORES].view(len(rows), self.n)
                 groups = [g for g in groups if bool((scores[g] != scores[g][0]).any())]
-            for group in groups:
-                if len(kept_rows) == wanted:
-                    break
-                kept.append(batch[batch[UID] == group])
-                kept_rows.append(rows[group])
-        merged = concat_batches(kept, self.sampling.pad_token_id)
+            groups = list(groups)[: wanted - len(kept_rows)]
+            # A round kept whole (no filtering) is the batch as it is, not a copy of each group.
+            kept += [batch] if len(groups) == len(rows) else [batch[batch[UID] == g] for g in groups]
+            kept_rows += [rows[group] for group in groups]
+        merged = concat_batches(kept, self.sampling.pad_token_id) if len(kept) > 1 else kept[0]
         merged[UID] = torch.arange(len(kept_rows)).repeat_interleave(self.n)
         # Every round scored as many responses: the mean over the rounds that logged a metric is its
         # mean over their responses; failures add up.

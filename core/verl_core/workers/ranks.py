@@ -36,6 +36,7 @@ from verl_core.data.batch import (
     TEMPERATURE,
     VALUES,
     get_global_counts,
+    select_rows,
 )
 from verl_core.engine import BaseEngine, LossFn, build_engine
 from verl_core.engine.topology import Topology
@@ -50,7 +51,7 @@ def engine_topology(engine: BaseEngine) -> Topology:
 def mini_batches(batch: TensorDict, count: int) -> list[TensorDict]:
     """``count`` contiguous mini-batches of this rank's share (every rank makes the same number, so
     global mini-batch ``j`` is the union of every rank's ``j``-th)."""
-    return [batch[index] for index in torch.arange(batch.batch_size[0]).tensor_split(count)]
+    return [select_rows(batch, index) for index in torch.arange(batch.batch_size[0]).tensor_split(count)]
 
 
 def mean_metrics(steps: Sequence[dict[str, float]], prefix: str) -> dict[str, float]:

@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_core.config.paths import absolute_path
-from verl_core.data.batch import concat_batches
+from verl_core.data.batch import concat_batches, select_rows
 from verl_core.engine.topology import Topology, check_topologies
 from verl_core.rollout.base import SamplingParams
 from verl_core.seeds import derive_seed
@@ -46,14 +46,14 @@ class Role:
     def _per_row(self, method: Callable[..., Any], batch: TensorDict, *extra: object) -> torch.Tensor:
         """``method`` on each DP shard of ``batch``; per-row results back in the batch's order."""
         shards = split_batch(batch, self.dp_size)
-        args = [(batch[shard], *extra) for shard in shards]
+        args = [(select_rows(batch, shard), *extra) for shard in shards]
         results = self.group.call_each(method, shards_for_ranks(args, self.topologies))
         return restore_order(gather_outputs(results, self.topologies), shards)
 
     def update(self, batch: TensorDict, num_mini_batches: int) -> dict[str, float]:
         """``num_mini_batches`` optimiser steps (per epoch) on ``batch``, split over the DP ranks."""
         shards = split_batch(batch, self.dp_size)
-        args = [(batch[shard], num_mini_batches) for shard in shards]
+        args = [(select_rows(batch, shard), num_mini_batches) for shard in shards]
         results = self.group.call_each(self.worker_class.update, shards_for_ranks(args, self.topologies))
         # Losses and gradient norms are global: every output rank reports the same numbers.
         return gather_outputs(results, self.topologies)[0]
@@ -90,7 +90,8 @@ class Actor(Role):
             for dp, shard in enumerate(shards)
         ]
         results = self.group.call_each(ActorWorker.generate, shards_for_ranks(args, self.topologies))
-        return concat_batches(gather_outputs(results, self.topologies), sampling.pad_token_id)
+        parts = gather_outputs(results, self.topologies)
+        return concat_batches(parts, sampling.pad_token_id) if len(parts) > 1 else parts[0]
 
     def compute_log_probs(self, batch: TensorDict) -> torch.Tensor:
         return self._per_row(ActorWorker.compute_log_probs, batch)
@@ -127,7 +128,8 @@ class SFT(Role):
         """The batch's token-mean NLL, forward only; ``batch`` divides over the DP size like an update's."""
         shards = split_batch(batch, self.dp_size)
         results = self.group.call_each(
-            SFTWorker.compute_loss, shards_for_ranks([(batch[s],) for s in shards], self.topologies)
+            SFTWorker.compute_loss,
+            shards_for_ranks([(select_rows(batch, s),) for s in shards], self.topologies),
         )
         return gather_outputs(results, self.topologies)[0]  # a global loss: every output rank has it
 

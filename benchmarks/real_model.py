@@ -10,10 +10,10 @@ folder once; the script says how to get the wheel when it is missing). Three par
    tokens with EOS disabled (every row decodes every step). A decoding step must read every weight
    once, so its limit is max(weight bytes / bandwidth, 2 x parameters x rows / throughput); each
    variant prints its time per decoding step (prefill excluded: the run with 1 token is subtracted)
-   and the share of the limit it reaches. The variants add this issue's changes one at a time:
-   ``torch.multinomial`` sampling with separate projections (before), inverse-CDF sampling, fused
-   q/k/v and gate/up projections, then the bfloat16 rollout (``rollout.dtype``) without and with
-   oneDNN's packed weights; ``model.generate`` as the reference.
+   and the share of the limit it reaches. The variants: ``torch.multinomial`` sampling with plain
+   products (before), then inverse-CDF sampling with each of fused q/k/v and gate/up products, MKL's
+   packed float32 weights, and both; the bfloat16 rollout (``rollout.dtype``) with plain products,
+   oneDNN's packed weights, and packed and fused; ``model.generate`` as the reference.
 3. **GRPO against TRL** (``benchmarks/grpo_vs_trl.py``'s two runners, same settings both sides, the
    demo's digit-reversal prompts rendered with the model's chat template): seconds per step, and the
    update's limit (6 x parameters x trained tokens / float32 throughput).
@@ -91,15 +91,19 @@ def multinomial_draw(log_probs: torch.Tensor, generator: torch.Generator | None)
     return torch.multinomial(log_probs.exp(), 1, generator=generator)[:, 0]
 
 
-def rollout_variants() -> list[tuple[str, str, dict[str, Any]]]:
-    """(name, dtype, options): each adds one change to the one before it."""
-    return [
-        ("multinomial, separate projections", "float32", {"sampler": "multinomial", "fuse": False}),
-        ("+ inverse-CDF sampling", "float32", {"fuse": False}),
-        ("+ fused q/k/v and gate/up", "float32", {"fuse": True}),
-        ("bfloat16 rollout, unpacked", "bfloat16", {"fuse": True, "pack": False}),
-        ("bfloat16 rollout, packed (oneDNN)", "bfloat16", {"fuse": True, "pack": True}),
+def rollout_variants(only: str | None = None) -> list[tuple[str, str, dict[str, Any]]]:
+    """(name, dtype, options): the rollout before these changes, then each change on its own."""
+    variants = [
+        ("multinomial, plain products", "float32", {"sampler": "multinomial", "fuse": False, "pack": False}),
+        ("inverse-CDF sampling", "float32", {"fuse": False, "pack": False}),
+        ("+ fused q/k/v, gate/up", "float32", {"fuse": True, "pack": False}),
+        ("+ MKL-packed weights", "float32", {"fuse": False, "pack": True}),
+        ("+ MKL-packed and fused", "float32", {"fuse": True, "pack": True}),
+        ("bfloat16, plain products", "bfloat16", {"fuse": False, "pack": False}),
+        ("bfloat16, oneDNN-packed", "bfloat16", {"fuse": False, "pack": True}),
+        ("bfloat16, oneDNN-packed and fused", "bfloat16", {"fuse": True, "pack": True}),
     ]
+    return [variant for variant in variants if only is None or only in variant[0]]
 
 
 def measure_rollout(model_dir: Path, args: argparse.Namespace, limits: dict[str, float]) -> dict[str, Any]:
@@ -128,10 +132,10 @@ def measure_rollout(model_dir: Path, args: argparse.Namespace, limits: dict[str,
         return SamplingParams(tokens, (), tokenizer.pad_token_id)  # no EOS: every row decodes every step
 
     results: dict[str, Any] = {}
-    for name, dtype, options in rollout_variants():
+    for name, dtype, options in rollout_variants(args.variants):
         rollout = HFRollout(ModelConfig(path=str(model_dir), dtype=dtype))
         rollout.initialize()
-        rollout._decoder = LeanDecoder(rollout.model, fuse=options["fuse"], pack=options.get("pack", True))
+        rollout._decoder = LeanDecoder(rollout.model, fuse=options["fuse"], pack=options["pack"])
         draw = multinomial_draw if options.get("sampler") == "multinomial" else sampling.draw
         with _patched(sampling, "draw", draw):
             full, prefill = (
@@ -274,6 +278,7 @@ def main() -> int:
         "--rounds", type=int, default=3, help="runs of each rollout variant (the fastest counts)"
     )
     parser.add_argument("--grpo-steps", type=int, default=3, help="timed GRPO steps (after one warm-up)")
+    parser.add_argument("--variants", help="only the rollout variants whose name contains this text")
     parser.add_argument("--skip-rollout", action="store_true")
     parser.add_argument("--skip-grpo", action="store_true")
     parser.add_argument("--no-trl", action="store_true", help="run this trainer only in the GRPO part")

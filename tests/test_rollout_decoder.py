@@ -19,7 +19,7 @@ from verl_core.config.engine import ModelConfig
 from verl_core.data.batch import left_pad
 from verl_core.rollout.base import SamplingParams
 from verl_core.rollout.config import HFRolloutConfig
-from verl_core.rollout.decoder import HFDecoder, LeanDecoder, Projection, can_pack, decoder_for
+from verl_core.rollout.decoder import HFDecoder, LeanDecoder, Projection, decoder_for, packing_for
 from verl_core.rollout.hf import HFRollout
 
 torch.set_num_threads(1)
@@ -39,19 +39,48 @@ def llama(**changes) -> torch.nn.Module:
     return LlamaForCausalLM(LlamaConfig(**SHAPE, **HEADS, tie_word_embeddings=True, **changes)).eval()
 
 
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "plain"])
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "separate"])
 @pytest.mark.parametrize("build", [qwen2, llama], ids=["qwen2", "llama"])
-def test_lean_logits_equal_the_models_own_forward_at_every_step(build, fuse) -> None:
+def test_lean_logits_equal_the_models_own_forward_at_every_step(build, fuse, pack) -> None:
     model = build()
-    lean = LeanDecoder.for_model(model, fuse=fuse)
+    lean = LeanDecoder.for_model(model, fuse=fuse, pack=pack)
     assert lean is not None
     assert_same_logits(lean, HFDecoder(model), update_model=model)
 
 
 needs_packed_bf16 = pytest.mark.skipif(
-    not can_pack(torch.empty(1, dtype=torch.bfloat16)),
+    packing_for(torch.empty(1, dtype=torch.bfloat16)) != "onednn",
     reason="this CPU's oneDNN has no bfloat16 products: the packed path is not used here",
 )
+needs_mkl = pytest.mark.skipif(
+    packing_for(torch.empty(1)) != "mkl", reason="torch was built without MKL: float32 weights are not packed"
+)
+
+
+@needs_mkl
+def test_float32_weights_packed_for_a_decoding_steps_rows_serve_fewer_rows_and_are_remade_for_more() -> None:
+    model = qwen2()
+    lean = LeanDecoder.for_model(model)
+    qkv = lean.projections[0][0]
+    assert qkv.packing == "mkl"
+    seen = []
+    original = Projection._mkl
+
+    def recording(self, x):
+        outs = original(self, x)
+        if self is qkv:
+            seen.append((x.numel() // x.shape[-1], self._packed_rows))
+        return outs
+
+    Projection._mkl = recording
+    try:
+        assert_same_logits(lean, HFDecoder(model), update_model=model)
+    finally:
+        Projection._mkl = original
+    # (rows, packed for): the prefill's 4 x 6 tokens; 4 rows (a quarter or fewer: remade); 4 rows,
+    # repeated; remade after the weight update; 3 rows padded up to 4; 1 row: the plain product.
+    assert seen == [(24, 24), (4, 4), (4, 4), (4, 4), (4, 4), (3, 4)], seen
 
 
 @needs_packed_bf16
@@ -59,7 +88,7 @@ needs_packed_bf16 = pytest.mark.skipif(
 def test_packed_bfloat16_logits_equal_the_models_own_bfloat16_forward(build) -> None:
     model = build().to(torch.bfloat16)
     lean = LeanDecoder.for_model(model)
-    assert all(projection.packed for projection in (*lean.projections[0], lean.head))
+    assert all(projection.packing == "onednn" for projection in (*lean.projections[0], lean.head))
     # Both round to bfloat16 at different points: a few units in its last place, as two bf16 kernels do.
     assert_same_logits(lean, HFDecoder(model), update_model=model, tolerance=3e-2)
 
@@ -68,14 +97,14 @@ class StaleProjection(Projection):
     """Makes its copy of the weights once and keeps it: blind to weight updates."""
 
     def _refresh(self) -> None:
-        if self._weight is None:
+        if not self._products:
             self._rebuild()
 
 
 def test_the_comparison_catches_fused_weights_that_miss_an_update(monkeypatch) -> None:
     model = qwen2()
     monkeypatch.setattr(
-        Projection, "of", classmethod(lambda cls, linears, fuse, pack: StaleProjection(linears, False))
+        Projection, "of", classmethod(lambda cls, linears, fuse, pack: StaleProjection(linears, True, None))
     )
     lean = LeanDecoder.for_model(model)
     assert isinstance(lean.head, StaleProjection)
@@ -112,8 +141,9 @@ def assert_same_logits(lean, reference, update_model=None, tolerance: float = 1e
     positions = mask.sum(dim=-1)
     generator = torch.Generator().manual_seed(0)
     for step in range(6):
-        if step == 2:  # drop row 1 and repeat row 3, as finished rows and shared prefills do
-            rows = torch.tensor([0, 2, 3, 3])
+        # Drop row 1 and repeat row 3, as finished rows and shared prefills do; then rows finish.
+        rows = {2: torch.tensor([0, 2, 3, 3]), 4: torch.tensor([0, 1, 3]), 5: torch.tensor([2])}.get(step)
+        if rows is not None:
             for decoder in (lean, reference):
                 decoder.select(rows)
             positions = positions[rows]

@@ -10,7 +10,10 @@ attention mask rebuilt every step, a cache that grows by concatenation (measured
 model: about 0.19 of 0.23 s per GRPO rollout). This computes the same forward pass from the model's
 own parameters with none of that: a preallocated KV cache written in place, the rotary cos/sin looked
 up from a table the model's own rotary embedding computed, fused ``rms_norm``, and one SDPA call per
-layer. Nothing is copied from the model, so a weight update is seen by the next step.
+layer. Its matrix products (``Projection``) read the model's weights, or on a CPU a copy laid out
+for MKL's and oneDNN's kernels that is remade whenever a weight changes, so a weight update is seen
+by the next step. ``fuse`` computes q/k/v and gate/up as one product each; it is off: on the CPUs
+measured it gained nothing (docs/benchmarks.md), and it copies those weights.
 
 ``LeanDecoder.for_model(model)`` returns ``None`` for a model it does not cover (another
 architecture, sliding-window layers, a rotary scaling that depends on the sequence length, biases
@@ -34,9 +37,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def decoder_for(model: torch.nn.Module, lean: bool) -> HFDecoder | LeanDecoder:
-    """``LeanDecoder`` when ``lean`` and it covers ``model``, else ``HFDecoder``."""
-    return (LeanDecoder.for_model(model) if lean else None) or HFDecoder(model)
+def decoder_for(model: torch.nn.Module, lean: bool, pack: bool = True) -> HFDecoder | LeanDecoder:
+    """``LeanDecoder`` (with packed weights when ``pack``) when ``lean`` and it covers ``model``, else
+    ``HFDecoder``."""
+    return (LeanDecoder.for_model(model, pack=pack) if lean else None) or HFDecoder(model)
 
 
 class HFDecoder:
@@ -79,7 +83,7 @@ class HFDecoder:
 class LeanDecoder:
     """Prefill, then one token per row per step, over a KV cache of fixed capacity."""
 
-    def __init__(self, model: torch.nn.Module, fuse: bool = True, pack: bool = True):
+    def __init__(self, model: torch.nn.Module, fuse: bool = False, pack: bool = True):
         self.model = model
         self.layers = list(model.model.layers)
         group = functools.partial(Projection.of, fuse=fuse, pack=pack)
@@ -215,44 +219,79 @@ class LeanDecoder:
         return hidden
 
 
+#: The float32 products that use MKL's packed weights: decoding steps of 3 to 64 rows. One or two rows
+#: read the weights at the bandwidth's pace plainly (SmolLM2-135M's layers, 2 threads: 1 row 24.5 GB/s
+#: plain, 22.2 packed; 4 rows 13.1 and 19.1; 16 rows 10.2 and 13.2); more rows (a prefill) are
+#: compute-bound, and the plain product serves them as well.
+MKL_PACKED_ROWS = range(3, 65)
+
+
 class Projection:
     """The matrix products of one or more linear layers that read the same input (q, k and v; gate and
-    up), as one product: ``[..., in]`` -> one ``[..., out_i]`` per layer.
+    up): ``[..., in]`` -> one ``[..., out_i]`` per layer, from copies of their weights laid out for
+    this device's kernels.
 
-    Several layers (``fuse``) are computed from one copy of their weights side by side: one larger
-    product instead of several small ones. With ``pack``, bfloat16 and float16 weights on a CPU are
-    copied into oneDNN's blocked layout (the layout its kernels read fastest: AMX and AVX-512 BF16).
+    - ``fuse``: the layers' weights side by side, one product instead of several.
+    - ``pack`` on a CPU: bfloat16/float16 weights in oneDNN's blocked layout (AMX, AVX-512 BF16), for
+      any number of rows; float32 weights in MKL's packed layout, made for the number of rows of a
+      decoding step (``MKL_PACKED_ROWS``): a plain float32 product of a few rows spends much of its
+      time re-laying-out the weight, every call. A packed copy serves products of up to as many rows
+      as it was made for (fewer are padded up to it, as rows finish); it is remade for more rows, or
+      for a quarter as many (making one costs about two decoding steps: 0.13 s for SmolLM2-135M).
+
     A copy is remade when a source weight changes (a weight update writes in place: its version
-    counter moves), so the decoder always computes with the model's current weights; a single
-    float32 layer is used as it is.
+    counter moves), so the decoder always computes with the model's current weights.
     """
 
-    def __init__(self, linears: list[torch.nn.Linear], packed: bool):
+    def __init__(self, linears: list[torch.nn.Linear], fuse: bool, packing: str | None):
         self.linears = linears
-        self.packed = packed
+        self.fused = fuse and len(linears) > 1
+        #: ``"onednn"``, ``"mkl"`` or ``None`` (plain products).
+        self.packing = packing
         self.sizes = [linear.weight.shape[0] for linear in linears]
         self.sources = [
             tensor for linear in linears for tensor in (linear.weight, linear.bias) if tensor is not None
         ]
         self._key: tuple = ()
-        self._weight = self._bias = None
+        #: One (weight, bias) per product: the fused layers', or each layer's.
+        self._products: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        #: MKL's packed weights, one per product, and the rows they were made for.
+        self._packed: list[torch.Tensor] = []
+        self._packed_rows = 0
 
     @classmethod
     def of(cls, linears: list[torch.nn.Linear], fuse: bool, pack: bool) -> Projection | _Separate:
         """The projection of ``linears``: fused and packed as asked where that applies."""
-        packed = pack and can_pack(linears[0].weight)
-        return cls(linears, packed) if packed or (fuse and len(linears) > 1) else _Separate(linears)
+        packing = packing_for(linears[0].weight) if pack else None
+        if packing is None and not (fuse and len(linears) > 1):
+            return _Separate(linears)
+        return cls(linears, fuse, packing)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         self._refresh()
-        if self.packed:
-            out = torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
+        if self.packing == "onednn":
+            outs = [torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") for w, b in self._products]
+        elif self.packing == "mkl" and x.numel() // x.shape[-1] in MKL_PACKED_ROWS:
+            outs = self._mkl(x)
         else:
-            out = F.linear(x, self._weight, self._bias)
-        return out.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (out,)
+            outs = [F.linear(x, w, b) for w, b in self._products]
+        return outs[0].split(self.sizes, dim=-1) if self.fused else tuple(outs)
+
+    def _mkl(self, x: torch.Tensor) -> list[torch.Tensor]:
+        rows = x.numel() // x.shape[-1]
+        if rows > self._packed_rows or rows <= self._packed_rows // 4:
+            self._packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w, _ in self._products]
+            self._packed_rows = rows
+        flat = x.reshape(rows, x.shape[-1])
+        if rows < self._packed_rows:  # the packed layout serves its own row count only
+            flat = F.pad(flat, (0, 0, 0, self._packed_rows - rows))
+        return [
+            torch.ops.mkl._mkl_linear(flat, packed, w, b, self._packed_rows)[:rows].view(*x.shape[:-1], -1)
+            for packed, (w, b) in zip(self._packed, self._products, strict=True)
+        ]
 
     def _refresh(self) -> None:
-        """Remake the copy when a source weight was replaced or written to since it was made."""
+        """Remake the copies when a source weight was replaced or written to since they were made."""
         key = tuple((tensor.data_ptr(), tensor._version) for tensor in self.sources)
         if key != self._key:
             self._rebuild()
@@ -260,19 +299,21 @@ class Projection:
 
     def _rebuild(self) -> None:
         linears = self.linears
-        weight = torch.cat([linear.weight for linear in linears]) if len(linears) > 1 else linears[0].weight
-        biases = [linear.bias for linear in linears]
-        if all(bias is None for bias in biases):
+        if self.fused:
+            weight = torch.cat([linear.weight for linear in linears])
+            biases = [linear.bias for linear in linears]
             bias = None
+            if any(b is not None for b in biases):
+                bias = torch.cat(
+                    [weight.new_zeros(n) if b is None else b for b, n in zip(biases, self.sizes, strict=True)]
+                )
+            products = [(weight, bias)]
         else:
-            bias = torch.cat(
-                [
-                    b if b is not None else weight.new_zeros(size)
-                    for b, size in zip(biases, self.sizes, strict=True)
-                ]
-            )
-        self._weight = torch.ops.mkldnn._reorder_linear_weight(weight, None) if self.packed else weight
-        self._bias = bias
+            products = [(linear.weight, linear.bias) for linear in linears]
+        if self.packing == "onednn":
+            products = [(torch.ops.mkldnn._reorder_linear_weight(w, None), b) for w, b in products]
+        self._products = products
+        self._packed, self._packed_rows = [], 0
 
 
 class _Separate:
@@ -285,19 +326,28 @@ class _Separate:
         return tuple(F.linear(x, linear.weight, linear.bias) for linear in self.linears)
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """Whether oneDNN's packed products serve ``weight``: half-precision weights on a CPU whose oneDNN
-    has the instructions for them (float32 gains nothing from packing on the CPUs measured)."""
-    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if not torch.backends.mkldnn.is_available():
-        return False
-    supported = (
-        torch.ops.mkldnn._is_mkldnn_bf16_supported
-        if weight.dtype == torch.bfloat16
-        else torch.ops.mkldnn._is_mkldnn_fp16_supported
-    )
-    return bool(supported())
+def packing_for(weight: torch.Tensor) -> str | None:
+    """The packed layout that serves ``weight`` on this machine: ``"onednn"`` for half-precision
+    weights on a CPU whose oneDNN has the instructions for them, ``"mkl"`` for float32 weights on a
+    CPU with MKL; ``None`` elsewhere (GPUs: their kernels read the weights as they are)."""
+    if weight.device.type != "cpu":
+        return None
+    if weight.dtype in (torch.bfloat16, torch.float16):
+        if not torch.backends.mkldnn.is_available():
+            return None
+        supported = (
+            torch.ops.mkldnn._is_mkldnn_bf16_supported
+            if weight.dtype == torch.bfloat16
+            else torch.ops.mkldnn._is_mkldnn_fp16_supported
+        )
+        return "onednn" if supported() else None
+    if (
+        weight.dtype == torch.float32
+        and torch.backends.mkl.is_available()
+        and hasattr(torch.ops.mkl, "_mkl_linear")
+    ):
+        return "mkl"
+    return None
 
 
 def _heads(projected: torch.Tensor, heads: int) -> torch.Tensor:

@@ -56,7 +56,7 @@ class HFRollout(BaseRollout):
         model.requires_grad_(False)
         self.model = model.eval().to(self.device)
         lean = self.options.lean_decoder and self.options.attn_implementation == "sdpa"
-        self._decoder = decoder_for(self.model, lean)
+        self._decoder = decoder_for(self.model, lean, pack=self.options.packed_weights)
 
     # -- weights ---------------------------------------------------------------------------------
 

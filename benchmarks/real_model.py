@@ -220,8 +220,12 @@ def measure_grpo(model_dir: Path, args: argparse.Namespace, limits: dict[str, fl
         demo = make_demo.build_demo(root / "task", seed=0, task=task)
         paths = types.SimpleNamespace(model=model_dir, train=demo.train)
         torch.set_num_threads(args.threads)
-        ours = grpo_vs_trl.run_ours(paths, root / "ours", settings, args.threads)
-        report["ours"] = ours
+        report["ours"] = grpo_vs_trl.run_ours(paths, root / "ours", settings, args.threads)
+        if args.bf16_rollout:
+            overrides = {"rollout.dtype": "bfloat16"}
+            report["ours_bf16"] = grpo_vs_trl.run_ours(
+                paths, root / "bf16", settings, args.threads, overrides
+            )
         if version is not None:
             report["trl_run"] = grpo_vs_trl.run_trl(paths, root / "trl", settings, args.threads)
         prompt_tokens = _mean_prompt_tokens(
@@ -230,11 +234,11 @@ def measure_grpo(model_dir: Path, args: argparse.Namespace, limits: dict[str, fl
     # The update reads each trained token forward and backward: 6 x parameters FLOPs per token (the tied
     # head counted once, as it is used once per token); attention's own products are a few percent here.
     throughput = limits["matmul_float32_GFLOPs"] * 1e9
-    for side in ("ours", "trl_run"):
+    for side in ("ours", "ours_bf16", "trl_run"):
         if side in report:
             result = report[side]
             phases = result["phases_s"]
-            result["update_s"] = phases["update_actor"] if side == "ours" else phases["forward_backward"]
+            result["update_s"] = phases["forward_backward"] if side == "trl_run" else phases["update_actor"]
             tokens = args.prompts * args.group * prompt_tokens + result["tokens_per_step"]
             result["update_limit_s"] = 6 * parameters * tokens / throughput
     report["parameters"] = parameters
@@ -282,6 +286,9 @@ def main() -> int:
     parser.add_argument("--skip-rollout", action="store_true")
     parser.add_argument("--skip-grpo", action="store_true")
     parser.add_argument("--no-trl", action="store_true", help="run this trainer only in the GRPO part")
+    parser.add_argument(
+        "--bf16-rollout", action="store_true", help="GRPO: also run this trainer with rollout.dtype=bfloat16"
+    )
     parser.add_argument("--json", action="store_true", help="print every figure as one JSON object, last")
     args = parser.parse_args()
     if args.tokens < 2:
@@ -330,10 +337,11 @@ def main() -> int:
             f"\nGRPO: {args.prompts} prompts x {args.group} responses <= {args.tokens} tokens, chat template, "
             f"ddp in process, fp32, 1 warm-up + {args.grpo_steps} timed steps"
         )
-        sides = [("ours", grpo["ours"])] + ([("trl", grpo["trl_run"])] if "trl_run" in grpo else [])
+        names = {"ours": "ours", "ours_bf16": "ours, bf16 rollout", "trl_run": "trl"}
+        sides = [(name, grpo[key]) for key, name in names.items() if key in grpo]
         for side, result in sides:
             print(
-                f"{side:<5} {result['step_s']:.2f} s/step, {result['tokens_per_step']:.0f} response tokens/step; "
+                f"{side}: {result['step_s']:.2f} s/step, {result['tokens_per_step']:.0f} response tokens/step; "
                 f"update {result['update_s']:.2f} s, its limit {result['update_limit_s']:.2f} s "
                 f"({result['update_limit_s'] / result['update_s']:.0%})\n"
                 f"      phases: {grpo_vs_trl.phase_line(result['phases_s'], result['step_s'])}"
@@ -342,6 +350,9 @@ def main() -> int:
             ratio = grpo["trl_run"]["step_s"] / grpo["ours"]["step_s"]
             grpo["step_time_ratio"] = ratio
             print(f"ours / TRL by s/step: {ratio:.2f}x")
+            if "ours_bf16" in grpo:
+                grpo["bf16_step_time_ratio"] = grpo["trl_run"]["step_s"] / grpo["ours_bf16"]["step_s"]
+                print(f"ours with a bf16 rollout / TRL by s/step: {grpo['bf16_step_time_ratio']:.2f}x")
     if args.json:
         print(json.dumps(report))
     return 0

@@ -78,9 +78,9 @@ def test_float32_weights_packed_for_a_decoding_steps_rows_serve_fewer_rows_and_a
         assert_same_logits(lean, HFDecoder(model), update_model=model)
     finally:
         Projection._mkl = original
-    # (rows, packed for): the prefill's 4 x 6 tokens; 4 rows (a quarter or fewer: remade); 4 rows,
-    # repeated; remade after the weight update; 3 rows padded up to 4; 1 row: the plain product.
-    assert seen == [(24, 24), (4, 4), (4, 4), (4, 4), (4, 4), (3, 4)], seen
+    # (rows, packed for) at steps 0-4: 4 rows (the prefill's 4 x 6 tokens use the plain product); 4 rows,
+    # repeated; after the weight update (remade); 3 rows padded up to 4; 1 row: the plain product.
+    assert seen == [(4, 4), (4, 4), (4, 4), (4, 4), (3, 4)], seen
 
 
 @needs_packed_bf16

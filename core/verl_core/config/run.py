@@ -306,15 +306,16 @@ class RunConfig:
           policy change and clip). As TRL and verl do on-policy; it saves the engine a forward pass.
         - ``"rollout"``: one update, the same dtype: the rollout's own log-probs.
         """
+        other_dtype = self.rollout_model.dtype != self.actor.engine.model.dtype
         if (
             self.trainer.recompute_old_log_probs
             or num_mini_batches > 1
             or self.actor.ppo_epochs > 1
             or self.actor.policy_loss.rollout_is_cap is not None
-            or (self.algorithm.use_kl_in_reward and self.rollout_model.dtype != self.actor.engine.model.dtype)
+            or (self.algorithm.use_kl_in_reward and other_dtype)
         ):
             return "engine"
-        return "update" if self.rollout_model.dtype != self.actor.engine.model.dtype else "rollout"
+        return "update" if other_dtype else "rollout"
 
     @property
     def uses_kl(self) -> bool:

@@ -156,10 +156,13 @@ def concat_batches(batches: list[TensorDict], pad_token_id: int = 0) -> TensorDi
 
     ``[B, P + R]`` keys pad their prompt part on the left and response part on the right; other 2-D
     tensors are ``[B, R]`` and pad on the right; 1-D tensors (per-sample values) concatenate as they
-    are. ``input_ids`` pad with ``pad_token_id``, everything else with 0.
+    are. ``input_ids`` pad with ``pad_token_id``, everything else with 0. One batch comes back as a
+    shallow copy of itself (its tensors shared, not copied).
     """
     if not batches:
         raise ValueError("concat_batches needs at least one batch")
+    if len(batches) == 1:
+        return batches[0].copy()
     widths = [(b[INPUT_IDS].shape[-1] - b[RESPONSES].shape[-1], b[RESPONSES].shape[-1]) for b in batches]
     prompt_width = max(p for p, _ in widths)
     response_width = max(r for _, r in widths)

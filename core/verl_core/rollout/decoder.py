@@ -252,23 +252,26 @@ class Projection:
         self.sources = [
             tensor for linear in linears for tensor in (linear.weight, linear.bias) if tensor is not None
         ]
+        #: Whether the products read copies (fused or packed) that must follow the weights.
+        self.copies = self.fused or packing is not None
         self._key: tuple = ()
-        #: One (weight, bias) per product: the fused layers', or each layer's.
-        self._products: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        #: One (weight, bias) per product: the fused layers', or each layer's (the parameters
+        #: themselves when nothing is copied: they always hold the current weights).
+        self._products: list[tuple[torch.Tensor, torch.Tensor | None]] = (
+            [] if self.copies else [(linear.weight, linear.bias) for linear in linears]
+        )
         #: MKL's packed weights, one per product, and the rows they were made for.
         self._packed: list[torch.Tensor] = []
         self._packed_rows = 0
 
     @classmethod
-    def of(cls, linears: list[torch.nn.Linear], fuse: bool, pack: bool) -> Projection | _Separate:
+    def of(cls, linears: list[torch.nn.Linear], fuse: bool, pack: bool) -> Projection:
         """The projection of ``linears``: fused and packed as asked where that applies."""
-        packing = packing_for(linears[0].weight) if pack else None
-        if packing is None and not (fuse and len(linears) > 1):
-            return _Separate(linears)
-        return cls(linears, fuse, packing)
+        return cls(linears, fuse, packing_for(linears[0].weight) if pack else None)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        self._refresh()
+        if self.copies:
+            self._refresh()
         if self.packing == "onednn":
             outs = [torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") for w, b in self._products]
         elif self.packing == "mkl" and (x.dim() == 2 or x.shape[-2] == 1) and len(x) in MKL_PACKED_ROWS:
@@ -315,16 +318,6 @@ class Projection:
             products = [(torch.ops.mkldnn._reorder_linear_weight(w, None), b) for w, b in products]
         self._products = products
         self._packed, self._packed_rows = [], 0
-
-
-class _Separate:
-    """The layers' own products, one after the other (nothing copied)."""
-
-    def __init__(self, linears: list[torch.nn.Linear]):
-        self.linears = linears
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(F.linear(x, linear.weight, linear.bias) for linear in self.linears)
 
 
 def packing_for(weight: torch.Tensor) -> str | None:

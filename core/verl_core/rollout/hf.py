@@ -105,7 +105,7 @@ class HFRollout(BaseRollout):
         parts = [
             self._generate(prompts[i : i + size], sampling, generator) for i in range(0, len(prompts), size)
         ]
-        return concat_batches(parts, sampling.pad_token_id) if len(parts) > 1 else parts[0]
+        return concat_batches(parts, sampling.pad_token_id)
 
     def _generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator: torch.Generator

@@ -22,7 +22,7 @@ from verl_core.rollout.base import SamplingParams
 def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """``scaled`` with every token outside the top ``top_k`` and outside the smallest set whose
     probability reaches ``top_p`` set to ``-inf`` (0 and 1 disable them). The most likely token is
-    always kept."""
+    always kept. With neither filter on, ``scaled`` itself is returned."""
     if 0 < top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

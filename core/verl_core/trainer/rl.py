@@ -265,7 +265,7 @@ class RLTrainer(Trainer):
             # A round kept whole (no filtering) is the batch as it is, not a copy of each group.
             kept += [batch] if len(groups) == len(rows) else [batch[batch[UID] == g] for g in groups]
             kept_rows += [rows[group] for group in groups]
-        merged = concat_batches(kept, self.sampling.pad_token_id) if len(kept) > 1 else kept[0]
+        merged = concat_batches(kept, self.sampling.pad_token_id)
         merged[UID] = torch.arange(len(kept_rows)).repeat_interleave(self.n)
         # Every round scored as many responses: the mean over the rounds that logged a metric is its
         # mean over their responses; failures add up.

@@ -90,8 +90,7 @@ class Actor(Role):
             for dp, shard in enumerate(shards)
         ]
         results = self.group.call_each(ActorWorker.generate, shards_for_ranks(args, self.topologies))
-        parts = gather_outputs(results, self.topologies)
-        return concat_batches(parts, sampling.pad_token_id) if len(parts) > 1 else parts[0]
+        return concat_batches(gather_outputs(results, self.topologies), sampling.pad_token_id)
 
     def compute_log_probs(self, batch: TensorDict) -> torch.Tensor:
         return self._per_row(ActorWorker.compute_log_probs, batch)

@@ -142,6 +142,26 @@ def test_batch_layout_is_the_batch_contract(rollout) -> None:
         assert length == 8 or response[-1] == EOS
 
 
+def assert_a_training_step_can_save_them_for_backward(output) -> None:
+    """The engine embeds the input ids and weighs log-probs (saved for backward): tensors made in
+    inference mode cannot be saved."""
+    assert not any(tensor.is_inference() for tensor in output.values()), output
+    embedding = torch.nn.Embedding(int(output[INPUT_IDS].max()) + 1, 2)
+    weighted = (
+        embedding(output[INPUT_IDS]).sum(-1)[:, -output[RESPONSES].shape[-1] :] * output[ROLLOUT_LOG_PROBS]
+    )
+    weighted.sum().backward()
+    assert embedding.weight.grad is not None
+
+
+def test_the_outputs_are_ordinary_tensors_though_decoding_runs_in_inference_mode(rollout) -> None:
+    assert_a_training_step_can_save_them_for_backward(rollout.generate(PROMPTS, params(), seed=1))
+    with torch.inference_mode():  # a rollout whose outputs leak out of inference mode: caught
+        leaked = rollout.generate(PROMPTS, params(), seed=1)
+    with pytest.raises(AssertionError):
+        assert_a_training_step_can_save_them_for_backward(leaked)
+
+
 def test_the_same_seed_gives_the_same_samples_and_another_seed_others(rollout) -> None:
     first = rollout.generate(PROMPTS, params(temperature=1.0), seed=11)
     again = rollout.generate(PROMPTS, params(temperature=1.0), seed=11)

@@ -17,6 +17,7 @@ from transformers import (
 
 from verl_core.config.engine import ModelConfig
 from verl_core.data.batch import left_pad
+from verl_core.rollout import decoder as decoder_module
 from verl_core.rollout.base import SamplingParams
 from verl_core.rollout.config import HFRolloutConfig
 from verl_core.rollout.decoder import HFDecoder, LeanDecoder, Projection, decoder_for, packing_for
@@ -39,10 +40,18 @@ def llama(**changes) -> torch.nn.Module:
     return LlamaForCausalLM(LlamaConfig(**SHAPE, **HEADS, tie_word_embeddings=True, **changes)).eval()
 
 
+@pytest.fixture
+def every_weight_packed(monkeypatch) -> None:
+    """These tests' models are far below the size a packed copy pays for: pack them anyway."""
+    monkeypatch.setattr(decoder_module, "PACKED_MIN_ELEMENTS", 0)
+
+
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "plain"])
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "separate"])
 @pytest.mark.parametrize("build", [qwen2, llama], ids=["qwen2", "llama"])
-def test_lean_logits_equal_the_models_own_forward_at_every_step(build, fuse, pack) -> None:
+def test_lean_logits_equal_the_models_own_forward_at_every_step(build, fuse, pack, monkeypatch) -> None:
+    if pack:
+        monkeypatch.setattr(decoder_module, "PACKED_MIN_ELEMENTS", 0)
     model = build()
     lean = LeanDecoder.for_model(model, fuse=fuse, pack=pack)
     assert lean is not None
@@ -58,7 +67,20 @@ needs_mkl = pytest.mark.skipif(
 )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_only_weights_large_enough_to_pay_for_a_copy_are_packed(dtype) -> None:
+    if packing_for(torch.empty(1, dtype=dtype)) is None:
+        pytest.skip(f"this CPU's torch packs no {dtype} weights: nothing to observe")
+    narrow = Projection.of([torch.nn.Linear(64, 64, dtype=dtype)], fuse=False, pack=True)
+    side = int(decoder_module.PACKED_MIN_ELEMENTS**0.5) + 1
+    wide = Projection.of([torch.nn.Linear(side, side, dtype=dtype)], fuse=False, pack=True)
+    unasked = Projection.of([torch.nn.Linear(side, side, dtype=dtype)], fuse=False, pack=False)
+    assert narrow.packing is None and unasked.packing is None
+    assert wide.packing == packing_for(torch.empty(1, dtype=dtype))
+
+
 @needs_mkl
+@pytest.mark.usefixtures("every_weight_packed")
 def test_float32_weights_packed_for_a_decoding_steps_rows_serve_fewer_rows_and_are_remade_for_more() -> None:
     model = qwen2()
     lean = LeanDecoder.for_model(model)
@@ -67,8 +89,8 @@ def test_float32_weights_packed_for_a_decoding_steps_rows_serve_fewer_rows_and_a
     seen = []
     original = Projection._mkl
 
-    def recording(self, x):
-        outs = original(self, x)
+    def recording(self, x, rows):
+        outs = original(self, x, rows)
         if self is qkv:
             seen.append((x.numel() // x.shape[-1], self._packed_rows))
         return outs
@@ -84,6 +106,7 @@ def test_float32_weights_packed_for_a_decoding_steps_rows_serve_fewer_rows_and_a
 
 
 @needs_packed_bf16
+@pytest.mark.usefixtures("every_weight_packed")
 @pytest.mark.parametrize("build", [qwen2, llama], ids=["qwen2", "llama"])
 def test_packed_bfloat16_logits_equal_the_models_own_bfloat16_forward(build) -> None:
     model = build().to(torch.bfloat16)

@@ -24,8 +24,9 @@ class HFRolloutConfig:
     #: (the same logits, a fraction of the Python overhead per step; ``sdpa`` only); false, or another
     #: architecture, decodes with the model's own forward pass.
     lean_decoder: bool = True
-    #: With ``lean_decoder`` on a CPU, keep a second copy of the weights laid out for the CPU's kernels
-    #: (MKL's packed float32, oneDNN's blocked bfloat16/float16; ``verl_core.rollout.decoder.Projection``):
-    #: SmolLM2-135M's decoding steps at 16 rows take 9-20% less time, in float32 and in bfloat16. False
-    #: saves the copy's memory (as much again as the rollout's weights).
+    #: With ``lean_decoder`` on a CPU, keep a second copy of the weights of at least 300k elements
+    #: (``PACKED_MIN_ELEMENTS``) laid out for the CPU's kernels (MKL's packed float32, oneDNN's blocked
+    #: bfloat16/float16; ``verl_core.rollout.decoder.Projection``): SmolLM2-135M's decoding steps at 16
+    #: rows take 9-20% less time, in float32 and in bfloat16; smaller weights (the demo's models) decode
+    #: faster without. False saves the copy's memory (as much again as those weights).
     packed_weights: bool = True

@@ -10,9 +10,9 @@ attention mask rebuilt every step, a cache that grows by concatenation (measured
 model: about 0.19 of 0.23 s per GRPO rollout). This computes the same forward pass from the model's
 own parameters with none of that: a preallocated KV cache written in place, the rotary cos/sin looked
 up from a table the model's own rotary embedding computed, fused ``rms_norm``, and one SDPA call per
-layer. Its matrix products (``Projection``) read the model's weights, or on a CPU a copy laid out
-for MKL's and oneDNN's kernels that is remade whenever a weight changes, so a weight update is seen
-by the next step. ``fuse`` computes q/k/v and gate/up as one product each; it is off: on the CPUs
+layer. Its matrix products (``Projection``) read the model's weights, or on a CPU (for weights large
+enough to pay for it) a copy laid out for MKL's and oneDNN's kernels that is remade whenever a weight
+changes, so a weight update is seen by the next step. ``fuse`` computes q/k/v and gate/up as one product each; it is off: on the CPUs
 measured it gained nothing (docs/benchmarks.md), and it copies those weights.
 
 ``LeanDecoder.for_model(model)`` returns ``None`` for a model it does not cover (another
@@ -108,7 +108,8 @@ class LeanDecoder:
         #: ``[B, capacity]``: which cache positions hold a real token (prompts are left-padded).
         self.key_mask = torch.empty(0, 0, dtype=torch.bool)
         self.length = 0
-        self.cos = self.sin = torch.empty(0)
+        #: The rotary tables ``[capacity, head_dim]``: cos, and sin negated in its first half (``_rotate``).
+        self.cos = self.signed_sin = torch.empty(0)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, **options) -> LeanDecoder | None:
@@ -138,7 +139,8 @@ class LeanDecoder:
         table = torch.arange(capacity, device=device)[None]
         dtype_of = self.model.model.embed_tokens.weight[:0]  # the rotary embedding reads its dtype only
         cos, sin = self.model.model.rotary_emb(dtype_of, table)
-        self.cos, self.sin = cos[0], sin[0]  # [capacity, head_dim]
+        half = self.head_dim // 2
+        self.cos, self.signed_sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
         dtype = self.cos.dtype
         self.keys = [
             torch.zeros(batch, self.kv_heads, capacity, self.head_dim, device=device, dtype=dtype)
@@ -190,7 +192,7 @@ class LeanDecoder:
         # [B, 1, T, head_dim]
         cos, sin = (
             table.index_select(0, positions.flatten()).view(*positions.shape, 1, -1).transpose(1, 2)
-            for table in (self.cos, self.sin)
+            for table in (self.cos, self.signed_sin)
         )
         end = start + tokens
         for layer, projections, keys, values in zip(
@@ -219,6 +221,12 @@ class LeanDecoder:
         return hidden
 
 
+#: The smallest weight (elements) worth a packed copy. Below it the copy costs more than its products
+#: gain: whole rollouts (weights updated before each) of the demo's 0.5M and 4M models (widths 128 and
+#: 256, weights of up to 262k elements) took 20-30% longer with every weight packed, in float32, and
+#: no less time in bfloat16; SmolLM2-135M's (width 576: 332k to 885k, and the 28M head) took 5-9% less
+#: (docs/benchmarks.md).
+PACKED_MIN_ELEMENTS = 300_000
 #: The float32 products that use MKL's packed weights: decoding steps (one token per row) of 3 to 64
 #: rows. One or two rows read the weights at the bandwidth's pace plainly (SmolLM2-135M's layers, 2 threads: 1 row 24.5 GB/s
 #: plain, 22.2 packed; 4 rows 13.1 and 19.1; 16 rows 10.2 and 13.2); more rows, and prefills, are
@@ -266,33 +274,40 @@ class Projection:
 
     @classmethod
     def of(cls, linears: list[torch.nn.Linear], fuse: bool, pack: bool) -> Projection:
-        """The projection of ``linears``: fused and packed as asked where that applies."""
-        return cls(linears, fuse, packing_for(linears[0].weight) if pack else None)
+        """The projection of ``linears``: fused and packed as asked where that applies (packed when the
+        first weight has at least ``PACKED_MIN_ELEMENTS``)."""
+        weight = linears[0].weight
+        packing = packing_for(weight) if pack and weight.numel() >= PACKED_MIN_ELEMENTS else None
+        return cls(linears, fuse, packing)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.copies:
             self._refresh()
+        rows = x.shape[0]
         if self.packing == "onednn":
-            outs = [torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "") for w, b in self._products]
-        elif self.packing == "mkl" and (x.dim() == 2 or x.shape[-2] == 1) and len(x) in MKL_PACKED_ROWS:
-            outs = self._mkl(x)
+            outs = [_onednn_linear(x, w, b, "none", [], "") for w, b in self._products]
+        elif self.packing == "mkl" and rows in MKL_PACKED_ROWS and (x.dim() == 2 or x.shape[-2] == 1):
+            outs = self._mkl(x, rows)
         else:
             outs = [F.linear(x, w, b) for w, b in self._products]
         return outs[0].split(self.sizes, dim=-1) if self.fused else tuple(outs)
 
-    def _mkl(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Products of one token per row (a decoding step): ``x`` is ``[B, 1, in]`` or ``[B, in]``."""
-        rows = len(x)
+    def _mkl(self, x: torch.Tensor, rows: int) -> list[torch.Tensor]:
+        """Products of one token per row (a decoding step): ``x`` is ``[rows, 1, in]`` or ``[rows, in]``."""
         if rows > self._packed_rows or rows <= self._packed_rows // 4:
-            self._packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w, _ in self._products]
+            self._packed = [_mkl_pack(w, rows) for w, _ in self._products]
             self._packed_rows = rows
+        packed_rows = self._packed_rows
         flat = x.reshape(rows, x.shape[-1])
-        if rows < self._packed_rows:  # the packed layout serves its own row count only
-            flat = F.pad(flat, (0, 0, 0, self._packed_rows - rows))
-        return [
-            torch.ops.mkl._mkl_linear(flat, packed, w, b, self._packed_rows)[:rows].view(*x.shape[:-1], -1)
+        if rows < packed_rows:  # the packed layout serves its own row count only
+            flat = F.pad(flat, (0, 0, 0, packed_rows - rows))
+        outs = [
+            _mkl_linear(flat, packed, w, b, packed_rows)
             for packed, (w, b) in zip(self._packed, self._products, strict=True)
         ]
+        if rows < packed_rows:
+            outs = [out[:rows] for out in outs]
+        return outs if x.dim() == 2 else [out.view(rows, 1, -1) for out in outs]
 
     def _refresh(self) -> None:
         """Remake the copies when a source weight was replaced or written to since they were made."""
@@ -318,6 +333,18 @@ class Projection:
             products = [(torch.ops.mkldnn._reorder_linear_weight(w, None), b) for w, b in products]
         self._products = products
         self._packed, self._packed_rows = [], 0
+
+
+def _mkl_linear(*args) -> torch.Tensor:
+    return torch.ops.mkl._mkl_linear.default(*args)
+
+
+def _mkl_pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.ops.mkl._mkl_reorder_linear_weight.default(weight, rows)
+
+
+def _onednn_linear(*args) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise.default(*args)
 
 
 def packing_for(weight: torch.Tensor) -> str | None:
@@ -350,12 +377,16 @@ def _heads(projected: torch.Tensor, heads: int) -> torch.Tensor:
     return projected.view(batch, tokens, heads, -1).transpose(1, 2)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """The rotary embedding ``x * cos + rotate_half(x) * sin``, with ``rotate_half(x) * sin`` computed as
+    ``x`` rolled by half its width times ``signed_sin`` (``sin`` negated in its first half): the same
+    products, in 4 operators instead of 7."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def _rms_norm(hidden: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    if hidden.dtype == torch.float32:  # one operator: the norm and its weight
+        return F.rms_norm(hidden, (hidden.shape[-1],), norm.weight, eps=norm.variance_epsilon)
     # In float32, then back, as the models' own RMSNorm computes it.
     normed = F.rms_norm(hidden.float(), (hidden.shape[-1],), eps=norm.variance_epsilon)
     return norm.weight * normed.to(hidden.dtype)

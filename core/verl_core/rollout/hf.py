@@ -112,48 +112,14 @@ class HFRollout(BaseRollout):
     ) -> TensorDict:
         prompt_ids, prompt_mask = left_pad(list(prompts), sampling.pad_token_id)
         batch = len(prompts)
-        device = self.device
-        eos = torch.tensor(sampling.eos_token_ids, device=device)
-        # A prompt sampled n times is prefilled once: its rows share the prefill's logits and cache.
-        distinct: dict[tuple[int, ...], int] = {}
-        source = torch.tensor([distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts])
-        distinct_ids, distinct_mask = left_pad([list(prompt) for prompt in distinct], sampling.pad_token_id)
-
-        # The rows still decoding: a row that has sampled EOS leaves the batch (and the cache), so
-        # the steps after it cost only what the rows still generating need.
-        rows = torch.arange(batch)
-        # Each step's rows, tokens and log-probs, written into the responses once decoding ends: one
-        # indexed write per tensor, not three per step (about 2% of a small model's rollout on the CPU).
-        sampled_rows: list[torch.Tensor] = []
-        sampled_tokens: list[torch.Tensor] = []
-        sampled_log_probs: list[torch.Tensor] = []
-        next_position = prompt_mask.sum(dim=-1).to(device)  # each row's next position: its prompt length
-        decoder = self._decoder
-        logits = decoder.prefill(
-            distinct_ids.to(device),
-            distinct_mask.to(device),
-            capacity=prompt_ids.shape[1] + sampling.max_new_tokens,
-        )
-        if len(distinct) < batch:
-            source = source.to(device)
-            logits = logits[source]
-            decoder.select(source)
-        steps = 0
-        for step in range(sampling.max_new_tokens):
-            tokens, token_log_probs = sample_next(logits, sampling, generator)
-            sampled_rows.append(rows)
-            sampled_tokens.append(tokens)
-            sampled_log_probs.append(token_log_probs)
-            steps = step + 1
-            going_on = ~torch.isin(tokens, eos)
-            if not bool(going_on.any()) or steps == sampling.max_new_tokens:
-                break
-            if not bool(going_on.all()):
-                keep = going_on.nonzero()[:, 0]
-                decoder.select(keep)
-                rows, tokens, next_position = rows[keep.cpu()], tokens[keep], next_position[keep]
-            logits = decoder.step(tokens, next_position)
-            next_position = next_position + 1
+        # Inference mode skips the bookkeeping no_grad still does per operator (version counters,
+        # views): decoding steps of the demo's models take 10-15% less time. Its tensors stay inside:
+        # the responses below are ordinary tensors, which the training engine may save for backward.
+        with torch.inference_mode():
+            sampled_rows, sampled_tokens, sampled_log_probs = self._decode(
+                prompts, prompt_mask, sampling, generator
+            )
+        steps = len(sampled_rows)
         # (row, step) of every sampled token.
         at = (
             torch.cat(sampled_rows),
@@ -168,6 +134,57 @@ class HFRollout(BaseRollout):
         output = join_prompts_and_responses(prompt_ids, prompt_mask, responses, response_mask)
         output[ROLLOUT_LOG_PROBS] = log_probs
         return output
+
+    def _decode(
+        self,
+        prompts: Sequence[Sequence[int]],
+        prompt_mask: torch.Tensor,
+        sampling: SamplingParams,
+        generator: torch.Generator,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """The decoding loop over ``prompts`` (left-padded: ``prompt_mask``): each step's rows (indices
+        into ``prompts``), sampled tokens and their log-probs, to be written into the responses once decoding ends (one indexed write per tensor,
+        not three per step: about 2% of a small model's rollout on the CPU)."""
+        batch = len(prompts)
+        device = self.device
+        eos = torch.tensor(sampling.eos_token_ids, device=device)
+        # A prompt sampled n times is prefilled once: its rows share the prefill's logits and cache.
+        distinct: dict[tuple[int, ...], int] = {}
+        source = torch.tensor([distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts])
+        distinct_ids, distinct_mask = left_pad([list(prompt) for prompt in distinct], sampling.pad_token_id)
+
+        # The rows still decoding: a row that has sampled EOS leaves the batch (and the cache), so
+        # the steps after it cost only what the rows still generating need.
+        rows = torch.arange(batch)
+        sampled_rows: list[torch.Tensor] = []
+        sampled_tokens: list[torch.Tensor] = []
+        sampled_log_probs: list[torch.Tensor] = []
+        next_position = prompt_mask.sum(dim=-1).to(device)  # each row's next position: its prompt length
+        decoder = self._decoder
+        logits = decoder.prefill(
+            distinct_ids.to(device),
+            distinct_mask.to(device),
+            capacity=prompt_mask.shape[1] + sampling.max_new_tokens,
+        )
+        if len(distinct) < batch:
+            source = source.to(device)
+            logits = logits[source]
+            decoder.select(source)
+        for step in range(sampling.max_new_tokens):
+            tokens, token_log_probs = sample_next(logits, sampling, generator)
+            sampled_rows.append(rows)
+            sampled_tokens.append(tokens)
+            sampled_log_probs.append(token_log_probs)
+            going_on = ~torch.isin(tokens, eos)
+            if not bool(going_on.any()) or step + 1 == sampling.max_new_tokens:
+                break
+            if not bool(going_on.all()):
+                keep = going_on.nonzero()[:, 0]
+                decoder.select(keep)
+                rows, tokens, next_position = rows[keep.cpu()], tokens[keep], next_position[keep]
+            logits = decoder.step(tokens, next_position)
+            next_position = next_position + 1
+        return sampled_rows, sampled_tokens, sampled_log_probs
 
     def _initialized(self) -> torch.nn.Module:
         if self.model is None:

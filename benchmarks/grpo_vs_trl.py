@@ -216,7 +216,8 @@ def digits_reward_for_trl(prompts, completions, ground_truth, **kwargs) -> list[
     ]
 
 
-def run_trl(paths: Any, work: Path, args: argparse.Namespace, threads: int) -> dict:
+def run_trl(paths: Any, work: Path, args: argparse.Namespace, threads: int, bf16: bool = False) -> dict:
+    """TRL's run; ``bf16``: TRL's default precision (bfloat16 autocast) instead of float32."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from transformers.trainer_callback import PrinterCallback
@@ -251,7 +252,7 @@ def run_trl(paths: Any, work: Path, args: argparse.Namespace, threads: int) -> d
         max_grad_norm=1.0,
         max_steps=args.warmup + args.steps,
         use_cpu=True,
-        bf16=False,
+        bf16=bf16,
         fp16=False,
         gradient_checkpointing=False,
         report_to="none",

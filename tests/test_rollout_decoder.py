@@ -225,3 +225,31 @@ def test_the_rollout_samples_the_same_tokens_either_way(tmp_path) -> None:
     torch.testing.assert_close(
         lean_output["rollout_log_probs"], hf_output["rollout_log_probs"], atol=1e-5, rtol=0
     )
+
+
+@pytest.mark.usefixtures("every_weight_packed")
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "hf"])
+def test_a_rollout_frees_its_cache_and_weight_copies_between_generations(tmp_path, lean) -> None:
+    qwen2().save_pretrained(tmp_path)
+    sampling = SamplingParams(max_new_tokens=6, eos_token_ids=(5,), pad_token_id=0, temperature=1.0)
+    rollout = HFRollout(ModelConfig(path=str(tmp_path)), HFRolloutConfig(lean_decoder=lean))
+    rollout.initialize()
+    first = rollout.generate(PROMPTS, sampling, seed=3)
+    decoder = rollout._decoder
+    if lean:
+        assert decoder.keys == [] and decoder.values == [] and decoder.key_mask.numel() == 0
+        projections = [*(p for layer in decoder.projections for p in layer), decoder.head]
+        assert all(p._products == [] and p._packed == [] for p in projections if p.copies)
+    else:
+        assert decoder.cache.get_seq_length() == 0 and decoder.attention_mask.numel() == 0
+    # Freed, then rebuilt: the next generation (after a weight update) is a fresh rollout's.
+    with torch.no_grad():
+        for parameter in rollout.model.parameters():
+            parameter.mul_(1.5)
+    fresh = HFRollout(ModelConfig(path=str(tmp_path)), HFRolloutConfig(lean_decoder=lean))
+    fresh.initialize()
+    fresh.update_weights(rollout.model.state_dict().items())
+    again = rollout.generate(PROMPTS, sampling, seed=3)
+    expected = fresh.generate(PROMPTS, sampling, seed=3)
+    assert torch.equal(again["responses"], expected["responses"])
+    assert not torch.equal(again["responses"], first["responses"])

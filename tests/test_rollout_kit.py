@@ -142,6 +142,9 @@ class PaddedPositionsDecoder:
         self.padding = self.padding[rows]
         self.inner.select(rows)
 
+    def release(self):
+        self.inner.release()
+
     def step(self, tokens, positions):
         return self.inner.step(tokens, positions + self.padding)
 

@@ -63,6 +63,11 @@ class HFDecoder:
         self.cache.batch_select_indices(rows)
         self.attention_mask = self.attention_mask[rows]
 
+    def release(self) -> None:
+        """Free the cache until the next ``prefill``."""
+        self.cache = DynamicCache()
+        self.attention_mask = torch.empty(0, 0, dtype=torch.int64)
+
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         mask = self.attention_mask
         self.attention_mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=-1)
@@ -162,6 +167,15 @@ class LeanDecoder:
         self.keys = [keys.index_select(0, rows) for keys in self.keys]
         self.values = [values.index_select(0, rows) for values in self.values]
         self.key_mask = self.key_mask.index_select(0, rows)
+
+    def release(self) -> None:
+        """Free the KV cache and the weights' copies until the next ``prefill``: between rollouts
+        (while the engine trains) they would only hold memory, and a weight update outdates the
+        copies anyway."""
+        self.keys, self.values = [], []
+        self.key_mask = torch.empty(0, 0, dtype=torch.bool)
+        for projection in (*(p for layer in self.projections for p in layer), self.head):
+            projection.release()
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Feed one token ``[B]`` per row at ``positions`` ``[B]``; return the next logits ``[B, V]``."""
@@ -308,6 +322,12 @@ class Projection:
         if rows < packed_rows:
             outs = [out[:rows] for out in outs]
         return outs if x.dim() == 2 else [out.view(rows, 1, -1) for out in outs]
+
+    def release(self) -> None:
+        """Drop the copies of the weights (remade on the next call)."""
+        if self.copies:
+            self._key, self._products = (), []
+            self._packed, self._packed_rows = [], 0
 
     def _refresh(self) -> None:
         """Remake the copies when a source weight was replaced or written to since they were made."""

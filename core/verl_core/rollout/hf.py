@@ -102,9 +102,15 @@ class HFRollout(BaseRollout):
             raise ValueError("generate() needs at least one prompt")
         generator = torch.Generator(self.device).manual_seed(seed)
         size = self.options.max_batch_size or len(prompts)
-        parts = [
-            self._generate(prompts[i : i + size], sampling, generator) for i in range(0, len(prompts), size)
-        ]
+        try:
+            parts = [
+                self._generate(prompts[i : i + size], sampling, generator)
+                for i in range(0, len(prompts), size)
+            ]
+        finally:
+            # The KV cache and the packed weights hold memory the training step can use (as verl frees
+            # its inference engine's cache between rollouts); the next weight update outdates the copies.
+            self._decoder.release()
         return concat_batches(parts, sampling.pad_token_id)
 
     def _generate(

@@ -130,6 +130,14 @@ def parameter_count(model_dir: Path) -> int:
     return sum(parameter.numel() for parameter in model.parameters())
 
 
+def head_parameters(model_dir: Path) -> int:
+    """The LM head's weights (vocabulary x hidden size; SmolLM2 ties them to the embeddings)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    return config.vocab_size * config.hidden_size
+
+
 def chat_prompt_ids(tokenizer, text: str) -> list[int]:
     """``text`` as one user message in the model's chat template, ready for the assistant's reply."""
     messages = [{"role": "user", "content": text}]

@@ -16,7 +16,8 @@ folder once; the script says how to get the wheel when it is missing). Three par
    oneDNN's packed weights, and packed and fused; ``model.generate`` as the reference.
 3. **GRPO against TRL** (``benchmarks/grpo_vs_trl.py``'s two runners, same settings both sides, the
    demo's digit-reversal prompts rendered with the model's chat template): seconds per step, and the
-   update's limit (6 x parameters x trained tokens / float32 throughput). ``--bf16-rollout`` adds this
+   update's limit (6 x the layers' parameters x trained tokens + 6 x the head's x response tokens, over
+   the float32 throughput). ``--bf16-rollout`` adds this
    trainer with ``rollout.dtype=bfloat16``, ``--trl-bf16`` TRL in its default precision (``bf16=True``,
    bfloat16 autocast); ``--grpo-rounds`` runs each side that many times, alternating the order, and
    keeps each side's fastest run.
@@ -46,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpo_vs_trl  # noqa: E402  (a sibling script)
-from _smollm2 import chat_prompt_ids, open_model, parameter_count  # noqa: E402
+from _smollm2 import chat_prompt_ids, head_parameters, open_model, parameter_count  # noqa: E402
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -245,8 +246,10 @@ def measure_grpo(model_dir: Path, args: argparse.Namespace, limits: dict[str, fl
                 result = run(root / f"{side}_{number}")
                 if side not in report or result["step_s"] < report[side]["step_s"]:
                     report[side] = result
-    # The update reads each trained token forward and backward: 6 x parameters FLOPs per token (the tied
-    # head counted once, as it is used once per token); attention's own products are a few percent here.
+    # The update runs each trained token forward and backward: 6 FLOPs per token and weight of the
+    # layers; the head (tied to the embeddings, whose lookup costs nothing) only at the response
+    # tokens, as both trainers keep only their logits. Attention's own products are a few percent here.
+    head = head_parameters(model_dir)
     throughput = limits["matmul_float32_GFLOPs"] * 1e9
     for side in ("ours", "ours_bf16", "trl_run", "trl_bf16"):
         if side in report:
@@ -255,8 +258,9 @@ def measure_grpo(model_dir: Path, args: argparse.Namespace, limits: dict[str, fl
             result["update_s"] = (
                 phases["forward_backward"] if side.startswith("trl") else phases["update_actor"]
             )
-            tokens = args.prompts * args.group * prompt_tokens + result["tokens_per_step"]
-            result["update_limit_s"] = 6 * parameters * tokens / throughput
+            responses = result["tokens_per_step"]
+            tokens = args.prompts * args.group * prompt_tokens + responses
+            result["update_limit_s"] = 6 * ((parameters - head) * tokens + head * responses) / throughput
     report["parameters"] = parameters
     report["mean_prompt_tokens"] = prompt_tokens
     return report

@@ -13,7 +13,7 @@ folder once; the script says how to get the wheel when it is missing). Three par
    and the share of the limit it reaches. The variants: ``torch.multinomial`` sampling with plain
    products (before), then inverse-CDF sampling with each of fused q/k/v and gate/up products, MKL's
    packed float32 weights, and both; the bfloat16 rollout (``rollout.dtype``) with plain products,
-   oneDNN's packed weights, and packed and fused; ``model.generate`` as the reference.
+   oneDNN's packed weights, and packed and fused (bfloat16's default); ``model.generate`` as the reference.
 3. **GRPO against TRL** (``benchmarks/grpo_vs_trl.py``'s two runners, same settings both sides, the
    demo's digit-reversal prompts rendered with the model's chat template): seconds per step, and the
    update's limit (6 x the layers' parameters x trained tokens + 6 x the head's x response tokens, over
@@ -102,8 +102,8 @@ def rollout_variants(only: str | None = None) -> list[tuple[str, str, dict[str, 
         ("+ MKL-packed weights", "float32", {"fuse": False, "pack": True}),
         ("+ MKL-packed and fused", "float32", {"fuse": True, "pack": True}),
         ("bfloat16, plain products", "bfloat16", {"fuse": False, "pack": False}),
-        ("bfloat16, oneDNN-packed", "bfloat16", {"fuse": False, "pack": True}),
-        ("bfloat16, oneDNN-packed and fused", "bfloat16", {"fuse": True, "pack": True}),
+        ("bfloat16, oneDNN-packed, separate", "bfloat16", {"fuse": False, "pack": True}),
+        ("bfloat16, oneDNN-packed and fused", "bfloat16", {"fuse": True, "pack": True}),  # the default
     ]
     return [variant for variant in variants if only is None or only in variant[0]]
 

@@ -79,6 +79,17 @@ def test_only_weights_large_enough_to_pay_for_a_copy_are_packed(dtype) -> None:
     assert wide.packing == packing_for(torch.empty(1, dtype=dtype))
 
 
+@pytest.mark.usefixtures("every_weight_packed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_q_k_v_and_gate_up_are_fused_by_default_only_where_the_packed_copy_is_the_fused_one(dtype) -> None:
+    lean = LeanDecoder.for_model(qwen2().to(dtype))
+    qkv, _, gate_up, _ = lean.projections[0]
+    onednn = qkv.packing == "onednn"
+    assert qkv.fused is onednn and gate_up.fused is onednn
+    assert not LeanDecoder.for_model(qwen2().to(dtype), fuse=False).projections[0][0].fused
+    assert LeanDecoder.for_model(qwen2().to(dtype), fuse=True).projections[0][0].fused
+
+
 @needs_mkl
 @pytest.mark.usefixtures("every_weight_packed")
 def test_float32_weights_packed_for_a_decoding_steps_rows_serve_fewer_rows_and_are_remade_for_more() -> None:

@@ -12,8 +12,10 @@ own parameters with none of that: a preallocated KV cache written in place, the 
 up from a table the model's own rotary embedding computed, fused ``rms_norm``, and one SDPA call per
 layer. Its matrix products (``Projection``) read the model's weights, or on a CPU (for weights large
 enough to pay for it) a copy laid out for MKL's and oneDNN's kernels that is remade whenever a weight
-changes, so a weight update is seen by the next step. ``fuse`` computes q/k/v and gate/up as one product each; it is off: on the CPUs
-measured it gained nothing (docs/benchmarks.md), and it copies those weights.
+changes, so a weight update is seen by the next step. ``fuse`` computes q/k/v and gate/up as one
+product each: by default only where it costs no memory, the oneDNN-packed (bfloat16, float16) weights,
+whose packed copy is the fused one (2-7% less time per step, one call's overhead saved per fused
+product); elsewhere it would copy those weights for a gain within noise (docs/benchmarks.md).
 
 ``LeanDecoder.for_model(model)`` returns ``None`` for a model it does not cover (another
 architecture, sliding-window layers, a rotary scaling that depends on the sequence length, biases
@@ -88,7 +90,7 @@ class HFDecoder:
 class LeanDecoder:
     """Prefill, then one token per row per step, over a KV cache of fixed capacity."""
 
-    def __init__(self, model: torch.nn.Module, fuse: bool = False, pack: bool = True):
+    def __init__(self, model: torch.nn.Module, fuse: bool | None = None, pack: bool = True):
         self.model = model
         self.layers = list(model.model.layers)
         group = functools.partial(Projection.of, fuse=fuse, pack=pack)
@@ -253,7 +255,8 @@ class Projection:
     up): ``[..., in]`` -> one ``[..., out_i]`` per layer, from copies of their weights laid out for
     this device's kernels.
 
-    - ``fuse``: the layers' weights side by side, one product instead of several.
+    - ``fuse``: the layers' weights side by side, one product instead of several (``None``: when the
+      weights are oneDNN-packed, whose copy the fused weight then is, at no memory cost).
     - ``pack`` on a CPU: bfloat16/float16 weights in oneDNN's blocked layout (AMX, AVX-512 BF16), for
       any number of rows; float32 weights in MKL's packed layout, made for the number of rows of a
       decoding step (``MKL_PACKED_ROWS``): a plain float32 product of a few rows spends much of its
@@ -287,12 +290,12 @@ class Projection:
         self._packed_rows = 0
 
     @classmethod
-    def of(cls, linears: list[torch.nn.Linear], fuse: bool, pack: bool) -> Projection:
+    def of(cls, linears: list[torch.nn.Linear], fuse: bool | None, pack: bool) -> Projection:
         """The projection of ``linears``: fused and packed as asked where that applies (packed when the
-        first weight has at least ``PACKED_MIN_ELEMENTS``)."""
+        first weight has at least ``PACKED_MIN_ELEMENTS``; ``fuse=None``: fused when oneDNN-packed)."""
         weight = linears[0].weight
         packing = packing_for(weight) if pack and weight.numel() >= PACKED_MIN_ELEMENTS else None
-        return cls(linears, fuse, packing)
+        return cls(linears, packing == "onednn" if fuse is None else fuse, packing)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.copies:

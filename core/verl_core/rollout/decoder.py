@@ -244,9 +244,9 @@ class LeanDecoder:
 #: (docs/benchmarks.md).
 PACKED_MIN_ELEMENTS = 300_000
 #: The float32 products that use MKL's packed weights: decoding steps (one token per row) of 3 to 64
-#: rows. One or two rows read the weights at the bandwidth's pace plainly (SmolLM2-135M's layers, 2 threads: 1 row 24.5 GB/s
-#: plain, 22.2 packed; 4 rows 13.1 and 19.1; 16 rows 10.2 and 13.2); more rows, and prefills, are
-#: compute-bound, and the plain product serves them as well.
+#: rows. One or two rows read the weights at the bandwidth's pace plainly (SmolLM2-135M's layers, 2
+#: threads: 1 row 24.5 GB/s plain, 22.2 packed; 4 rows 13.1 and 19.1; 16 rows 10.2 and 13.2); more
+#: rows, and prefills, are compute-bound, and the plain product serves them as well.
 MKL_PACKED_ROWS = range(3, 65)
 
 

@@ -149,8 +149,9 @@ class HFRollout(BaseRollout):
         generator: torch.Generator,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """The decoding loop over ``prompts`` (left-padded: ``prompt_mask``): each step's rows (indices
-        into ``prompts``), sampled tokens and their log-probs, to be written into the responses once decoding ends (one indexed write per tensor,
-        not three per step: about 2% of a small model's rollout on the CPU)."""
+        into ``prompts``), sampled tokens and their log-probs, to be written into the responses once
+        decoding ends (one indexed write per tensor, not three per step: about 2% of a small model's
+        rollout on the CPU)."""
         batch = len(prompts)
         device = self.device
         eos = torch.tensor(sampling.eos_token_ids, device=device)

@@ -65,10 +65,9 @@ def fsdp_options(parser: argparse.ArgumentParser, pairs: list[tuple[str, Any]]) 
 def structure_options(backend: str, options: dict[str, Any]) -> Any:
     """``options`` structured into ``backend``'s options class, as a run config's section is."""
     from verl_core.config.convert import structure
-    from verl_core.hookspecs import ENGINE_BACKENDS
-    from verl_core.plugins import get_registry
+    from verl_core.plugins import Kind, get_registry
 
-    options_class = get_registry().entry(ENGINE_BACKENDS, backend).load("config")
+    options_class = get_registry().entry(Kind.ENGINE_BACKENDS, backend).load("config")
     return structure(options, options_class, f"engine.{backend}")
 
 
@@ -91,7 +90,7 @@ def save_qwen2(directory: str | Path, seed: int = 0, **dimensions: Any) -> tuple
     ``directory``; returns its path and parameter count."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from verl_core.engine.seed import seeded
+    from verl_core.toolkit import seeded
 
     config = Qwen2Config(pad_token_id=0, dtype="float32", **dimensions)
     with seeded(seed):
@@ -115,8 +114,8 @@ def policy_batch(
     ``response_length`` (right-padded), random tokens and advantages."""
     from tensordict import TensorDict
 
+    from verl_core.data import COMPUTE_ENTROPY, TEMPERATURE
     from verl_core.data import batch as keys
-    from verl_core.engine.base import COMPUTE_ENTROPY, TEMPERATURE
 
     generator = torch.Generator().manual_seed(seed)
 

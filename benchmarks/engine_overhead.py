@@ -12,7 +12,7 @@ times the DP size). Both sides run the padded path: the engines with ``micro_bat
 The plain side is what one would write by hand: ``model(input_ids, attention_mask, position_ids,
 use_cache=False, logits_to_keep=R + 1)``, log-probs and entropy from ``logsumexp``, ``backward``
 per micro-batch, ``clip_grad_norm_`` at 1.0, ``torch.optim.AdamW(fused=True)`` with the engines'
-settings (lr 1e-4, betas 0.9/0.999, eps 1e-8, weight decay 0.01; ``verl_core.engine.optim`` builds
+settings (lr 1e-4, betas 0.9/0.999, eps 1e-8, weight decay 0.01; ``verl_core.toolkit.optim`` builds
 fused AdamW on the CPU), the global token count and the step's loss all-reduced (as the engines
 report it). At 2 ranks it is ``DistributedDataParallel`` with the ddp engine's settings (25 MiB
 buckets, gradients as bucket views, no buffer broadcast) and ``no_sync()`` on all but the last
@@ -187,7 +187,7 @@ def engine_rows(
 
 def measure(settings: dict[str, Any], case: str, world_size: int, rank: int) -> dict[str, Any]:
     """Every side of ``case`` on this rank: the equality checks, then the interleaved timings."""
-    from verl_core.engine.base import COMPUTE_ENTROPY
+    from verl_core.data import COMPUTE_ENTROPY
 
     torch.set_num_threads(settings["threads"])
     common.quiet_transformers()

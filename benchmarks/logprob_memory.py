@@ -59,7 +59,7 @@ def make_batch(sequences: int, prompt_length: int, response_length: int, vocab: 
     """The batch contract: every sequence full length (no padding), random ids, entropy on."""
     from tensordict import TensorDict
 
-    from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE
+    from verl_core.data import COMPUTE_ENTROPY, TEMPERATURE
 
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(1, vocab, (sequences, prompt_length + response_length), generator=generator)
@@ -91,7 +91,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from verl_core.config.engine import MicroBatchConfig, ModelConfig
-    from verl_core.engine.hf import forward_micro_batch, load_hf_model
+    from verl_core.toolkit import forward_micro_batch, load_hf_model
 
     chunk_size = args.chunk_size or MicroBatchConfig().logits_chunk_size
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

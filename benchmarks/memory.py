@@ -128,8 +128,8 @@ def rank_main(rank, model_path: str, backend: str, options: dict[str, Any]) -> N
     import psutil
     import transformers  # noqa: F401 (counted in the imports' RSS, as the engines' modules are)
 
-    from verl_core.engine import hf_engine  # noqa: F401
     from verl_core.testing.losses import policy_loss_fn
+    from verl_core.toolkit import hf_engine  # noqa: F401
 
     quiet_transformers()
     process = psutil.Process()

@@ -66,7 +66,7 @@ def main() -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from verl_core.config.engine import ModelConfig
-    from verl_core.engine.hf import forward_micro_batch, load_hf_model
+    from verl_core.toolkit import forward_micro_batch, load_hf_model
 
     config = Qwen2Config(
         vocab_size=1024,

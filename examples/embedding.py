@@ -21,8 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from transformers import AutoTokenizer
 
-from verl_core.algos.policy_loss import compute_actor_loss
-from verl_core.algos.registry import get_advantage_estimator
+from verl_core.algos import compute_actor_loss, get_advantage_estimator
 from verl_core.config import (
     AlgorithmConfig,
     EngineConfig,
@@ -31,11 +30,18 @@ from verl_core.config import (
     OptimConfig,
     PolicyLossConfig,
 )
-from verl_core.data.batch import ADVANTAGES, OLD_LOG_PROBS, RESPONSE_MASK, RESPONSES, get_global_counts
-from verl_core.engine import TEMPERATURE, build_engine
+from verl_core.data import (
+    ADVANTAGES,
+    OLD_LOG_PROBS,
+    RESPONSE_MASK,
+    RESPONSES,
+    ROLLOUT_LOG_PROBS,
+    TEMPERATURE,
+    get_global_counts,
+)
+from verl_core.engine import build_engine
 from verl_core.reward import load_reward_function, score_responses
-from verl_core.rollout.base import ROLLOUT_LOG_PROBS, SamplingParams
-from verl_core.rollout.hf import HFRollout
+from verl_core.rollout import HFRollout, SamplingParams
 
 PROMPTS_PER_STEP = 8
 RESPONSES_PER_PROMPT = 4  # GRPO compares the responses to one prompt

@@ -12,8 +12,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from verl_core.algos import catalog
-from verl_core.algos.policy_loss import PolicyLossFn, compute_actor_loss, rollout_log_prob_mismatch
+from verl_core.algos import PolicyLossFn, catalog, compute_actor_loss, rollout_log_prob_mismatch
 from verl_core.algos.registry import get_policy_loss
 from verl_core.config.algorithm import PolicyLossConfig
 from verl_core.data.batch import GlobalCounts

@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from verl_core import AdvantageEstimator, PolicyLoss, hookimpl
-from verl_core.algos import catalog
+from verl_core.algos import catalog, compute_actor_loss, compute_policy_loss_vanilla
 from verl_core.algos.aggregation import agg_loss
-from verl_core.algos.policy_loss import compute_actor_loss, compute_policy_loss_vanilla
 from verl_core.algos.registry import get_advantage_estimator, get_policy_loss
 from verl_core.config.algorithm import AlgorithmConfig, PolicyLossConfig
 from verl_core.data.batch import GlobalCounts
@@ -138,7 +137,7 @@ def test_unknown_names_list_the_known_ones_and_the_config_key() -> None:
     with pytest.raises(UnknownNameError) as error:
         get_policy_loss("vanila", registry)
     message = str(error.value)
-    assert "actor.policy_loss.loss_mode" in message and "Did you mean 'vanilla'?" in message
+    assert "actor.policy_loss.loss_mode" in message and "(did you mean 'vanilla'?)" in message
     for name in ("vanilla", "gspo", "cispo", "acme_linear"):
         assert name in message
 

@@ -16,7 +16,8 @@ import verl_core.plugins.registry
 from verl_core import ENGINE_API_VERSION, __version__
 from verl_core.cli import BACKEND_COLUMNS, main
 from verl_core.errors import ConfigError
-from verl_core.plugins import ENV_BLOCK, ENV_DISABLE_AUTOLOAD, ENV_PLUGINS, ENV_TRACE, get_registry
+from verl_core.plugins import get_registry
+from verl_core.plugins.switches import ENV_BLOCK, ENV_DISABLE_AUTOLOAD, ENV_PLUGINS, ENV_TRACE
 
 BROKEN = "raise ImportError('needs a library that is not installed')"
 HEAVY_MODULES = ("torch", "cattrs", "yaml", "transformers", "megatron")
@@ -259,7 +260,7 @@ def test_config_with_the_real_loader_reports_every_error(run_yaml, capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert f"2 error(s) in the configuration in {run_yaml}:" in captured.err
-    assert "  actor.engine.fakeeng.bucket_mbb: unknown key (did you mean bucket_mb?)" in captured.err
+    assert "  actor.engine.fakeeng.bucket_mbb: unknown key (did you mean 'bucket_mb'?)" in captured.err
     assert "  rollout.n: " in captured.err
 
 
@@ -315,7 +316,7 @@ def test_config_names_a_misspelt_estimator_and_the_close_match(installed_plugins
     captured = capsys.readouterr()
     assert captured.out == ""
     (line,) = [line for line in captured.err.splitlines() if line.startswith("  algorithm.adv_estimator: ")]
-    assert "Unknown advantage estimator 'gpro'" in line and "Did you mean 'grpo'?" in line
+    assert "Unknown advantage estimator 'gpro'" in line and "(did you mean 'grpo'?)" in line
     assert line.endswith("(from override 'algorithm.adv_estimator=gpro')")
 
 

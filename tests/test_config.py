@@ -46,13 +46,12 @@ from verl_core.config import (
     TrainerConfig,
     dump_yaml,
     load_config,
-    parse_override,
     structure,
     unstructure,
 )
 from verl_core.config.algorithm import FilterGroupsConfig, LossAggMode
 from verl_core.config.engine import DtypeName
-from verl_core.config.loading import fill_total_steps
+from verl_core.config.loading import fill_total_steps, parse_override
 from verl_core.config.validators import InvalidValue
 from verl_core.errors import ConfigError, ConfigWarning
 from verl_core.plugins import Registry, get_registry
@@ -266,7 +265,7 @@ def test_structure_reports_paths_below_the_given_prefix():
 def test_unknown_key_in_backend_options_suggests_the_close_one(tmp_path):
     errors = errors_of(tmp_path, overrides=["actor.engine.toy.bucket_cap_mbb=4"])
     assert errors == {
-        "actor.engine.toy.bucket_cap_mbb": "unknown key (did you mean bucket_cap_mb?) "
+        "actor.engine.toy.bucket_cap_mbb": "unknown key (did you mean 'bucket_cap_mb'?) "
         "(from override 'actor.engine.toy.bucket_cap_mbb=4')"
     }
 
@@ -357,9 +356,10 @@ def test_unknown_backend_lists_installed_ones_at_the_backend_key(tmp_path):
     assert set(errors) == {"actor.engine.backend", "data.seed"}  # reported together with the others
     message = errors["actor.engine.backend"]
     assert message.startswith(
-        "Unknown engine backend 'tyo'. Installed engine backends: toy (no distribution), other (no distribution)."
+        "Unknown engine backend 'tyo' (did you mean 'toy'?). Installed engine backends: toy (no distribution), "
+        "other (no distribution)."
     )
-    assert "Did you mean 'toy'?" in message and "\n" not in message
+    assert "(did you mean 'toy'?)" in message and "\n" not in message
     assert message.endswith("(from override 'actor.engine.backend=tyo')")
     fsdp = errors_of(tmp_path, overrides=["actor.engine.backend=fsdp"])["actor.engine.backend"]
     assert 'pip install "verl-core[fsdp]"' in fsdp or "verl-fsdp-plugin" in fsdp
@@ -369,7 +369,7 @@ def test_section_named_like_no_installed_backend_is_an_unknown_key(tmp_path):
     errors = errors_of(
         tmp_path, VALID.replace("    toy: {bucket_cap_mb: 10}\n", "    tyo: {bucket_cap_mb: 10}\n")
     )
-    assert errors == {"actor.engine.tyo": "unknown key (did you mean toy?)"}
+    assert errors == {"actor.engine.tyo": "unknown key (did you mean 'toy'?)"}
     errors = errors_of(tmp_path, overrides=["actor.engine.options={bucket_cap_mb: 1}"])
     assert errors["actor.engine.options"].startswith(
         "unknown key: the options of backend 'toy' go under its name (toy: {...})"
@@ -512,8 +512,8 @@ def test_malformed_overrides_are_all_named(tmp_path):
 def test_override_with_an_unknown_path_names_the_override(tmp_path):
     errors = errors_of(tmp_path, overrides=["actor.engine.modle.path=/m", "trainer.total_epoch=2"])
     assert errors == {
-        "actor.engine.modle": "unknown key (did you mean model?) (from override 'actor.engine.modle.path=/m')",
-        "trainer.total_epoch": "unknown key (did you mean total_epochs?) (from override 'trainer.total_epoch=2')",
+        "actor.engine.modle": "unknown key (did you mean 'model'?) (from override 'actor.engine.modle.path=/m')",
+        "trainer.total_epoch": "unknown key (did you mean 'total_epochs'?) (from override 'trainer.total_epoch=2')",
     }
 
 
@@ -524,8 +524,10 @@ def test_an_unknown_estimator_is_named_at_its_key_with_the_close_match(tmp_path)
     errors = errors_of(tmp_path, overrides=["algorithm.adv_estimator=gpro"])
     message = errors.pop("algorithm.adv_estimator")
     assert errors == {}  # the rules that need the estimator are skipped, not run on a guess
-    assert message.startswith("Unknown advantage estimator 'gpro'. Installed advantage estimators: gae ")
-    assert "Did you mean 'grpo'?" in message and "\n" not in message
+    assert message.startswith(
+        "Unknown advantage estimator 'gpro' (did you mean 'grpo'?). Installed advantage estimators: gae "
+    )
+    assert "(did you mean 'grpo'?)" in message and "\n" not in message
     assert message.endswith("(from override 'algorithm.adv_estimator=gpro')")
 
 
@@ -547,15 +549,15 @@ def test_every_named_component_of_a_file_is_looked_up_at_its_key(tmp_path):
         "rollout.backend",
         "reward.function",
     }
-    assert "Did you mean 'vanilla'?" in errors["actor.policy_loss.loss_mode"]
+    assert "(did you mean 'vanilla'?)" in errors["actor.policy_loss.loss_mode"]
     assert "(did you mean 'low_var_kl'?)" in errors["actor.policy_loss.kl_loss_type"]
     assert errors["actor.engine.device"].endswith("use one of auto, cpu, cuda, cuda:N, npu, xpu, mps")
     assert errors["algorithm.kl_penalty"].startswith("unknown KL estimator 'k4'")
     assert (
         "Unknown rollout backend 'hff'" in errors["rollout.backend"]
-        and "Did you mean 'hf'?" in errors["rollout.backend"]
+        and "(did you mean 'hf'?)" in errors["rollout.backend"]
     )
-    assert "Did you mean 'exact_match'?" in errors["reward.function"]
+    assert "(did you mean 'exact_match'?)" in errors["reward.function"]
     assert all("\n" not in message for message in errors.values())
 
 
@@ -732,14 +734,14 @@ def test_a_decay_must_outlast_the_warmup(tmp_path):
     with pytest.raises(ConfigError) as caught:
         fill_total_steps(load(tmp_path, overrides=warmup), 30)
     assert dict(caught.value.errors) == {
-        "actor.engine.optim.total_steps": "must exceed lr_warmup_steps (40): lr_scheduler 'linear' decays "
-        "after the warmup until total_steps, got 30, filled in from the run's length for total_steps: 0 (its "
+        "actor.engine.optim.total_steps": "30: lr_scheduler 'linear' decays after the warmup until total_steps, "
+        "which must exceed lr_warmup_steps (40), filled in from the run's length for total_steps: 0 (its "
         "optimiser steps: trainer steps x updates per step)"
     }
     errors = errors_of(tmp_path, overrides=[*warmup, "actor.engine.optim.total_steps=40"])
     assert errors == {
-        "actor.engine.optim.total_steps": "must exceed lr_warmup_steps (40): lr_scheduler 'linear' decays "
-        "after the warmup until total_steps, got 40 (from override 'actor.engine.optim.total_steps=40')"
+        "actor.engine.optim.total_steps": "40: lr_scheduler 'linear' decays after the warmup until total_steps, "
+        "which must exceed lr_warmup_steps (40) (from override 'actor.engine.optim.total_steps=40')"
     }
 
 
@@ -898,7 +900,7 @@ def test_example_grpo_config_loads_with_the_installed_ddp_backend():
 def test_example_grpo_config_builds_an_optimiser_schedule():
     """Its cosine schedule decays over ``total_steps: 0``, the run's length: filled in as the trainer
     does, the engine's own check of the schedule passes."""
-    from verl_core.engine.optim import validate_optim_config
+    from verl_core.toolkit import validate_optim_config
 
     registry = get_registry()
     if "ddp" not in registry.names("engine_backends"):

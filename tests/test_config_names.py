@@ -122,7 +122,7 @@ def test_an_unknown_registered_name_is_one_line_at_its_path(cls, path, key, typo
     message = errors.pop(f"{path}.{key}")
     assert errors == {}
     assert "\n" not in message
-    assert installed in message and f"Did you mean '{meant}'?" in message
+    assert installed in message and f"(did you mean '{meant}'?)" in message
     assert "verl-core plugins --all" in message  # the registry's own advice, kept
 
 
@@ -254,7 +254,7 @@ def test_rollout_options_are_checked_at_their_path():
         "rollout",
     )
     assert errors == {
-        "rollout.toyroll.max_btch": "unknown key (did you mean max_batch?)",
+        "rollout.toyroll.max_btch": "unknown key (did you mean 'max_batch'?)",
         "rollout.toyroll.temperature_floor": "expected float, got '.inf'",
     }
     errors = errors_of(
@@ -262,7 +262,7 @@ def test_rollout_options_are_checked_at_their_path():
     )
     assert errors == {
         "rollout.toyroll.max_batch": "'max_batch' must be > 0: 0",
-        "rollout.tyroll": "unknown key (did you mean toyroll?)",
+        "rollout.tyroll": "unknown key (did you mean 'toyroll'?)",
     }
     errors = errors_of({"backend": "toyroll", "options": {}}, RolloutConfig, "rollout")
     assert errors["rollout.options"].startswith(
@@ -404,7 +404,7 @@ def test_a_file_under_the_home_directory(reward_file, monkeypatch):
 
 @given(st.text(alphabet="ab.py:/\\~ ", max_size=14))
 def test_the_config_and_the_reward_loader_agree_on_file_specs(value):
-    from verl_core.reward import is_file_spec as loader_is_file_spec
+    from verl_core.reward.loading import is_file_spec as loader_is_file_spec
 
     assert is_file_spec(value) == loader_is_file_spec(value)
 
@@ -413,7 +413,7 @@ def test_on_error_is_fail_or_zero():
     assert structure({"on_error": "zero"}, RewardConfig, registry=REGISTRY).on_error == "zero"
     errors = errors_of({"on_error": "skip"}, RewardConfig, "reward")
     assert errors == {"reward.on_error": "expected one of 'fail', 'zero'; got 'skip'"}
-    from verl_core.reward import ON_ERROR  # what scoring does with a failing sample
+    from verl_core.reward.scoring import ON_ERROR  # what scoring does with a failing sample
 
     assert typing.get_args(typing.get_type_hints(RewardConfig)["on_error"]) == ON_ERROR
 

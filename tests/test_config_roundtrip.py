@@ -42,8 +42,7 @@ from verl_core.config import (
 )
 from verl_core.config.algorithm import KL_PENALTIES, LossAggMode
 from verl_core.errors import ConfigError
-from verl_core.hookspecs import POLICY_LOSSES, REWARD_FUNCTIONS
-from verl_core.plugins import Registry
+from verl_core.plugins import Kind, Registry
 
 # Generated configs set options the run ignores (ref.engine with no KL term, ...): the warnings are
 # tested in test_config.py.
@@ -188,7 +187,7 @@ extras = st.dictionaries(
 )
 policy_losses = st.builds(
     PolicyLossConfig,
-    loss_mode=st.sampled_from(REGISTRY.names(POLICY_LOSSES)),
+    loss_mode=st.sampled_from(REGISTRY.names(Kind.POLICY_LOSSES)),
     loss_agg_mode=literal(LossAggMode),
     clip_ratio=floats(0, 1),
     clip_ratio_low=st.none() | floats(0, 1),
@@ -234,7 +233,7 @@ rollouts = options.flatmap(
 )
 rewards = st.builds(
     RewardConfig,
-    function=st.sampled_from(REGISTRY.names(REWARD_FUNCTIONS)),
+    function=st.sampled_from(REGISTRY.names(Kind.REWARD_FUNCTIONS)),
     on_error=literal(field_type(RewardConfig, "on_error")),
 )
 trainers = st.builds(

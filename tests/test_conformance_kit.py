@@ -26,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_core import EngineBackend, hookimpl
+from verl_core.data import TEMPERATURE
 from verl_core.data.batch import (
     ADVANTAGES,
     ATTENTION_MASK,
@@ -36,19 +37,6 @@ from verl_core.data.batch import (
     GlobalCounts,
     attach_global_counts,
     compute_global_counts,
-)
-from verl_core.engine import (
-    TEMPERATURE,
-    atomic_checkpoint,
-    build_lr_scheduler,
-    export_hf_model,
-    load_checkpoint_file,
-    load_model_state,
-    load_rng_state,
-    move_optimizer_state,
-    open_checkpoint,
-    save_hf_model_from_params,
-    save_rng_state,
 )
 from verl_core.errors import UnknownNameError
 from verl_core.testing import EngineConformance, run_conformance, runner
@@ -79,9 +67,14 @@ from verl_core.testing.tiny import (
     save_tiny_models,
     shard,
 )
+from verl_core.toolkit import (
+    atomic_checkpoint,
+    build_lr_scheduler,
+    export_hf_model,
+    save_rng_state,
+)
 from verl_ddp.config import DDPConfig
-from verl_ddp.engine import BACKEND as DDP_BACKEND
-from verl_ddp.engine import LR_SCHEDULER_FILE, MODEL_FILE, OPTIMIZER_FILE, DDPEngine
+from verl_ddp.engine import DDPEngine
 
 torch.set_num_threads(1)
 
@@ -188,7 +181,7 @@ class CrossingPackingEngine(DDPEngine):
     one sees the ones before it), while positions still restart per sequence."""
 
     def forward_backward_batch(self, batch, loss_fn, forward_only):
-        from verl_core.engine import hf_forward as hf
+        from verl_core.toolkit import forward as hf
 
         original = hf.pack_sequences
 
@@ -214,7 +207,7 @@ class LastChunkDroppingEngine(DDPEngine):
     """Computes log-probs chunk by chunk but forgets the tokens after the last whole chunk (zeros)."""
 
     def forward_backward_batch(self, batch, loss_fn, forward_only):
-        from verl_core.engine import hf_forward as hf
+        from verl_core.toolkit import forward as hf
 
         original = hf.chunked_log_probs_and_entropy
 
@@ -285,39 +278,13 @@ class EmulatedModelParallelEngine(DDPEngine):
         result = super().forward_backward_batch(batch, loss_fn, forward_only)
         return result if self.is_output_rank else attrs.evolve(result, outputs=None)
 
-    def save_checkpoint(self, path, global_step=0):
-        module = self._initialized()
-        rank = dist.get_rank()
-        with atomic_checkpoint(
-            path, global_step=global_step, backend=DDP_BACKEND, group=dist.group.WORLD
-        ) as staging:
-            if rank == 0:  # every replica holds the whole, identical state
-                torch.save(module.state_dict(), staging / MODEL_FILE)
-                torch.save(self.optimizer.state_dict(), staging / OPTIMIZER_FILE)
-                torch.save(self.lr_scheduler.state_dict(), staging / LR_SCHEDULER_FILE)
-            save_rng_state(staging, rank)
+    @property
+    def state_group(self) -> dist.ProcessGroup:
+        return dist.group.WORLD
 
-    def load_checkpoint(self, path):
-        module = self._initialized()
-        directory, info = open_checkpoint(path, backend=DDP_BACKEND)
-        load_model_state(
-            module, load_checkpoint_file(directory, MODEL_FILE), directory, self.config.model.path
-        )
-        self.optimizer.load_state_dict(load_checkpoint_file(directory, OPTIMIZER_FILE))
-        move_optimizer_state(self.optimizer, self.optimizer_device)
-        self.lr_scheduler.load_state_dict(load_checkpoint_file(directory, LR_SCHEDULER_FILE))
-        load_rng_state(directory, dist.get_rank())
-        return info.global_step
-
-    def save_hf_model(self, path):
-        save_hf_model_from_params(
-            self._initialized(),
-            self.get_per_tensor_param(),
-            path,
-            rank=dist.get_rank(),
-            group=dist.group.WORLD,
-            tokenizer_source=self.config.model.path,
-        )
+    @property
+    def state_rank(self) -> int:
+        return dist.get_rank()
 
 
 class WorldScaledLossEngine(EmulatedModelParallelEngine):
@@ -456,7 +423,7 @@ def run_broken_engines(world_size: int, workdir) -> dict[str, ConformanceReport]
             name: CheckOutcome.merge(name, [r for r in records if r.check == name], world_size)
             for name in job.checks
         }
-        reports[job.backend] = ConformanceReport(job.backend, world_size, outcomes, error, 0.0)
+        reports[job.backend] = ConformanceReport(job.backend, world_size, outcomes, error)
     return reports
 
 

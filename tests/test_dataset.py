@@ -281,8 +281,8 @@ def test_a_row_without_the_prompt_column_lists_its_columns_and_the_close_match(t
             [first, second], tokenizer, max_prompt_length=64, config_path="data.val_files"
         )
     assert str(caught.value) == (
-        f"row 1 of '{second}' (data.val_files) has no column 'prompt' (data.prompt_key); its columns: "
-        "'prompts', 'ground_truth'; did you mean 'prompts'? Set data.prompt_key=prompts"
+        f"row 1 of '{second}' (data.val_files) has no column 'prompt' (data.prompt_key) (did you mean "
+        "'prompts'?); its columns: 'prompts', 'ground_truth'; set data.prompt_key=prompts"
     )
     with pytest.raises(
         DataError,

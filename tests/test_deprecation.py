@@ -12,7 +12,13 @@ import warnings
 import pytest
 
 from verl_core import EngineBackend, deprecation
-from verl_core.deprecation import VerlCoreDeprecationWarning, deprecated, deprecated_argument, moved_names
+from verl_core.deprecation import (
+    VerlCoreDeprecationWarning,
+    VerlCoreRemovedIn04Warning,
+    deprecated,
+    deprecated_argument,
+    moved_names,
+)
 
 pytestmark = pytest.mark.filterwarnings("default::verl_core.deprecation.VerlCoreDeprecationWarning")
 
@@ -148,11 +154,68 @@ def run(tmp_path, *flags: str) -> subprocess.CompletedProcess:
 def test_shown_by_default_and_silenced_or_raised_by_the_users_filters(tmp_path) -> None:
     # Python hides DeprecationWarning outside __main__; core shows its own...
     shown = run(tmp_path)
-    assert shown.returncode == 0 and "uses_old_name.py:2: VerlCoreDeprecationWarning" in shown.stderr, (
+    assert shown.returncode == 0 and "uses_old_name.py:2: VerlCoreRemovedIn04Warning" in shown.stderr, (
         shown.stderr
     )
     # ...unless the user configured warnings: then theirs decide.
     silenced = run(tmp_path, "-W", "ignore::DeprecationWarning")
-    assert silenced.returncode == 0 and "VerlCoreDeprecationWarning" not in silenced.stderr, silenced.stderr
+    assert silenced.returncode == 0 and "RemovedIn04Warning" not in silenced.stderr, silenced.stderr
     raised = run(tmp_path, "-W", "error::DeprecationWarning")
-    assert raised.returncode == 1 and "VerlCoreDeprecationWarning" in raised.stderr, raised.stderr
+    assert raised.returncode == 1 and "VerlCoreRemovedIn04Warning" in raised.stderr, raised.stderr
+
+
+@pytest.mark.parametrize("category", [VerlCoreRemovedIn04Warning, VerlCoreDeprecationWarning])
+def test_a_ci_makes_the_removals_of_one_release_errors_by_its_warning_class(category) -> None:
+    """What ``pytest -W error::verl_core.deprecation.VerlCoreRemovedIn04Warning`` does (a plain
+    ``python -W`` cannot name a class of an installed package: Python reads it before site-packages)."""
+    import verl_core.engine.distributed as old
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warnings.filterwarnings("error", category=category)
+        with pytest.raises(VerlCoreRemovedIn04Warning, match="removed in 0.4.0: use verl_core.distributed"):
+            old.barrier  # noqa: B018
+
+
+def test_another_releases_class_leaves_these_alone() -> None:
+    import verl_core.engine.distributed as old
+
+    class VerlCoreRemovedIn05Warning(VerlCoreDeprecationWarning):
+        """Stands for a later release's class."""
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        warnings.filterwarnings("error", category=VerlCoreRemovedIn05Warning)
+        assert old.barrier is not None
+
+
+def test_every_core_deprecation_is_of_its_removal_releases_class_and_a_release_without_one_is_refused() -> (
+    None
+):
+    from fixtures.public_api import import_everything
+
+    from verl_core.deprecation import DEPRECATIONS, REMOVAL_WARNINGS, declare
+
+    import_everything()
+    assert {d.removed_in: d.category for d in DEPRECATIONS.values()} == {"0.4.0": VerlCoreRemovedIn04Warning}
+    assert issubclass(VerlCoreRemovedIn04Warning, VerlCoreDeprecationWarning)
+    with pytest.raises(ValueError, match=r"no warning class for removal in 0.9.0 .*REMOVAL_WARNINGS"):
+        declare("old.thing", since="0.2.0", removed_in="0.9.0", replacement="new.thing")
+    assert "0.9.0" not in REMOVAL_WARNINGS
+
+
+def test_a_plugin_deprecates_its_own_names_with_its_own_warning_class() -> None:
+    from verl_core.errors import ConfigError
+
+    class MyPluginDeprecationWarning(DeprecationWarning):
+        pass
+
+    getattr_ = moved_names(
+        "old.my_plugin",
+        {"Thing": "verl_core.errors:ConfigError"},
+        since="1.1",
+        removed_in="2.0",
+        category=MyPluginDeprecationWarning,
+    )
+    with pytest.warns(MyPluginDeprecationWarning, match="removed in 2.0: use verl_core.errors.ConfigError"):
+        assert getattr_("Thing") is ConfigError

@@ -12,7 +12,8 @@ import pytest
 
 import verl_core.engine
 from verl_core.data import batch as keys
-from verl_core.engine import BaseEngine, HFEngine
+from verl_core.engine import BaseEngine
+from verl_core.toolkit import HFEngine
 
 DOC = (Path(__file__).parents[1] / "docs" / "engine.md").read_text()
 

@@ -7,14 +7,9 @@ import re
 
 import pytest
 
-from verl_core.engine import checkpoint
-from verl_core.engine.checkpoint import (
-    MARKER_FILE,
-    CheckpointError,
-    CheckpointInfo,
-    atomic_checkpoint,
-    open_checkpoint,
-)
+from verl_core.errors import CheckpointError
+from verl_core.toolkit import CheckpointInfo, atomic_checkpoint, checkpoint, open_checkpoint
+from verl_core.toolkit.checkpoint import MARKER_FILE
 
 
 class Crash(Exception):

@@ -20,13 +20,12 @@ from transformers import AutoModelForCausalLM, CohereConfig
 
 from verl_core.config.engine import MicroBatchConfig
 from verl_core.config.validators import InvalidValue
-from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE
-from verl_core.engine import hf_forward as hf_module
-from verl_core.engine import logprob as logprob_module
-from verl_core.engine.hf import ENTROPY, LOG_PROBS, forward_micro_batch
-from verl_core.engine.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
-from verl_core.engine.varlen import attn_implementation_for
+from verl_core.data import COMPUTE_ENTROPY, ENTROPY, LOG_PROBS, TEMPERATURE
 from verl_core.testing.tiny import VOCAB_SIZE, TinyModelSpec, collate, make_samples
+from verl_core.toolkit import chunked_log_probs_and_entropy, forward_micro_batch, log_probs_and_entropy
+from verl_core.toolkit import forward as hf_module
+from verl_core.toolkit import logprob as logprob_module
+from verl_core.toolkit.varlen import attn_implementation_for
 
 torch.set_num_threads(1)
 
@@ -298,7 +297,7 @@ def model_outputs(model, batch, packing: bool, chunk_size: int | None) -> dict[s
 @pytest.mark.parametrize(("arch", "tied"), MODEL_VARIANTS)
 def test_chunked_model_outputs_and_gradients_equal_the_whole(arch, tied, packing) -> None:
     model = tiny_model(model_config(arch, tied), packing)
-    assert hf_module._plain_head_model(model) is model
+    assert hf_module.plain_head_model(model) is model
     batch = micro_batch()
     expected = model_outputs(model, batch, packing, None)
     assert all(expected[name].abs().sum() > 0 for name, _ in model.named_parameters()), (
@@ -368,12 +367,12 @@ def cohere_model():
 
 def test_a_model_that_scales_its_logits_runs_whole_and_keeps_its_values(monkeypatch) -> None:
     model, batch = cohere_model(), micro_batch()
-    assert hf_module._plain_head_model(model) is None
+    assert hf_module.plain_head_model(model) is None
     expected = model_outputs(model, batch, False, None)
     assert largest_difference(model_outputs(model, batch, False, 3), expected) <= TOLERANCE
     # What the allow-list prevents: chunking it from the head's weight alone gives other values.
     monkeypatch.setattr(hf_module, "PLAIN_HEAD_MODEL_TYPES", hf_module.PLAIN_HEAD_MODEL_TYPES | {"cohere"})
-    assert hf_module._plain_head_model(model) is model
+    assert hf_module.plain_head_model(model) is model
     assert largest_difference(model_outputs(model, batch, False, 3), expected) > 1e-2
 
 
@@ -385,7 +384,7 @@ def test_a_subclass_that_overrides_forward_runs_whole() -> None:
             return super().forward(*args, **kwargs)
 
     model.__class__ = Custom
-    assert hf_module._plain_head_model(model) is None
+    assert hf_module.plain_head_model(model) is None
 
 
 def test_wrappers_are_looked_through() -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_core.engine.device import device_type, move_module, resolve_device
+from verl_core.engine import resolve_device
+from verl_core.engine.device import device_type
 from verl_core.errors import ConfigError
+from verl_core.toolkit import move_module
 
 
 def test_auto_picks_cuda_only_when_available() -> None:

@@ -79,7 +79,7 @@ def test_options_of_another_type_name_the_expected_class(registry) -> None:
 def test_unsupported_role_names_backend_provider_and_roles(registry) -> None:
     message = re.escape(
         "role: engine backend 'lm-on-cuda' from plugin 'NarrowPlugin' (no distribution) supports roles "
-        "('lm',), not 'value'"
+        "lm, not 'value'"
     )
     with pytest.raises(ConfigError, match=message):
         build_engine(config("lm-on-cuda", device="cuda"), role="value", registry=registry)

@@ -14,18 +14,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from verl_core.config.engine import ModelConfig
-from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE
-from verl_core.engine.checkpoint import CheckpointError
-from verl_core.engine.hf import (
-    ENTROPY,
-    LOG_PROBS,
-    compile_decoder_layers,
-    export_hf_model,
-    forward_micro_batch,
-    load_hf_model,
-)
-from verl_core.errors import ConfigError
+from verl_core.data import COMPUTE_ENTROPY, ENTROPY, LOG_PROBS, TEMPERATURE
+from verl_core.errors import CheckpointError, ConfigError
 from verl_core.testing.tiny import collate, make_samples, save_tiny_models
+from verl_core.toolkit import export_hf_model, forward_micro_batch, load_hf_model
+from verl_core.toolkit.model import compile_decoder_layers
 
 torch.set_num_threads(1)
 
@@ -127,7 +120,7 @@ def test_model_options_dtype_and_activation_checkpointing(dirs, samples, logits_
 
 
 def test_unknown_role_is_refused(dirs) -> None:
-    with pytest.raises(ValueError, match=r"role='critic': expected one of \('lm', 'value'\)"):
+    with pytest.raises(ValueError, match=r"'critic' is not a ModelRole: expected one of \['lm', 'value'\]"):
         load_hf_model(ModelConfig(path=dirs.lm), role="critic")
 
 

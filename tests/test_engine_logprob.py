@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_core.engine.logprob import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
+from verl_core.toolkit import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
 
 
 def reference(logits: torch.Tensor, labels: torch.Tensor, temperature: float) -> tuple[list, list]:

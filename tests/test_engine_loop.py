@@ -17,7 +17,7 @@ from tensordict import TensorDict
 from verl_core.config.engine import MicroBatchConfig
 from verl_core.data import batch as keys
 from verl_core.data.batch import get_global_counts
-from verl_core.engine.loop import run_micro_batches
+from verl_core.engine import run_micro_batches
 from verl_core.testing.spawn import Rank, SpawnError, spawn
 
 PROMPT = 2

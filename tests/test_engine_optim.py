@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_core.config.engine import EngineConfig, ModelConfig, OptimConfig
-from verl_core.engine.optim import (
+from verl_core.errors import ConfigError
+from verl_core.toolkit import (
     TorchOptimizerSteps,
     build_lr_scheduler,
     build_optimizer,
@@ -18,7 +19,6 @@ from verl_core.engine.optim import (
     lr_multiplier,
     move_optimizer_state,
 )
-from verl_core.errors import ConfigError
 
 
 def expected_lr(step: int, lr: float, warmup: int, schedule: str, total: int, min_ratio: float) -> float:
@@ -76,7 +76,9 @@ def test_adamw_takes_its_options_from_the_config() -> None:
 
 def test_a_decay_without_total_steps_names_the_key() -> None:
     with pytest.raises(
-        ConfigError, match=r"optim\.total_steps: 0: lr_scheduler='cosine' decays until total_steps"
+        ConfigError,
+        match=r"optim\.total_steps: 0: lr_scheduler 'cosine' decays after the warmup until total_steps, which "
+        r"must exceed lr_warmup_steps \(2\) \(0: the trainer sets it from the run's length",
     ):
         build_lr_scheduler(
             build_optimizer([torch.nn.Parameter(torch.ones(1))], OptimConfig()),

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from verl_core.config.engine import ModelConfig
-from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE
-from verl_core.engine.hf import forward_micro_batch, load_hf_model
-from verl_core.engine.packing import pack_sequences, prompt_groups
-from verl_core.engine.varlen import VARLEN_SDPA, varlen_sdpa_attention
+from verl_core.data import COMPUTE_ENTROPY, TEMPERATURE
 from verl_core.testing import collate, make_samples, response_token_mask, save_tiny_models
+from verl_core.toolkit import forward_micro_batch, load_hf_model, pack_sequences
+from verl_core.toolkit.packing import prompt_groups
+from verl_core.toolkit.varlen import VARLEN_SDPA, varlen_sdpa_attention
 
 torch.set_num_threads(1)
 
@@ -32,7 +32,7 @@ def batch_of(seed: int, share_prompts: bool = False):
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("role", ["lm", "value"])
 def test_packed_outputs_and_gradients_equal_the_padded_ones(dirs, role, attention, share_prompts) -> None:
-    # sdpa models run packed attention padded (verl_core.engine.varlen) and pack a prompt shared by
+    # sdpa models run packed attention padded (verl_core.toolkit.varlen) and pack a prompt shared by
     # several samples once; eager ones pack every prompt and attend through the block-diagonal mask
     # transformers builds from the restarting positions.
     batch = batch_of(3, share_prompts)

@@ -2,7 +2,7 @@
 
 Lower layers never import higher ones: errors and descriptors, then the plugin contract and registry,
 then config, then the collective helpers, then data, then the engine contract and the algorithms,
-then rollout and reward, then workers, then the trainer and the command line. The conformance kits
+then the engine toolkit (built on the contract), then rollout and reward, then workers, then the trainer and the command line. The conformance kits
 (``testing``) check engines and rollouts, so they sit above both (and reward) and may use
 everything below them, but not the workers or the trainer. Every import counts, those inside
 functions and ``TYPE_CHECKING`` blocks included: a lazy import is still a dependency.
@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("distributed",),
     ("data",),
     ("engine", "algos"),
+    ("toolkit",),
     ("rollout", "reward", "agents"),
     ("testing",),
     ("workers",),
@@ -37,7 +38,7 @@ LAYER = {unit: level for level, units in enumerate(LAYERS) for unit in units}
 
 
 def unit_of(module: str) -> str:
-    """``verl_core.engine.hf`` -> ``engine``; ``verl_core`` -> ``__init__``."""
+    """``verl_core.toolkit.model`` -> ``toolkit``; ``verl_core`` -> ``__init__``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
@@ -84,6 +85,72 @@ def test_imports_go_down_the_layers_only(path: Path) -> None:
 
 def test_the_check_sees_an_upward_import(tmp_path: Path) -> None:
     source = tmp_path / "bad.py"
-    source.write_text("def f():\n    from verl_core.engine.hf import load_hf_model\n")
-    assert imported_modules(source) == [(2, "verl_core.engine.hf")]
-    assert LAYER[unit_of("verl_core.engine.hf")] > LAYER["data"]
+    source.write_text("def f():\n    from verl_core.toolkit.model import load_hf_model\n")
+    assert imported_modules(source) == [(2, "verl_core.toolkit.model")]
+    assert LAYER[unit_of("verl_core.toolkit.model")] > LAYER["data"]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each core module -> the core modules it imports (inside functions too; ``from package import
+    submodule`` counts as the submodule; a lazily exported name counts as its defining module)."""
+    modules = {
+        "verl_core." + ".".join(p.relative_to(CORE).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in SOURCES
+    }
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        targets = set()
+        for _, imported in imported_modules(path):
+            targets.add(imported)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in modules:
+                for alias in node.names:
+                    if f"{node.module}.{alias.name}" in modules:  # a submodule, not the package's own name
+                        targets.add(f"{node.module}.{alias.name}")
+                        targets.discard(node.module)
+        graph[module] = {target for target in targets if target in modules and target != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_of_core_imports_itself_through_others() -> None:
+    """An import cycle makes what imports first decide what works (a name defined later is missing),
+    and a module whose old home re-exports it is the usual cause: old homes serve moved names lazily,
+    through ``verl_core.deprecation.moved_names``."""
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_sees_a_cycle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

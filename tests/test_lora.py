@@ -22,15 +22,16 @@ from verl_core import EngineBackend, hookimpl
 from verl_core.config import load_config, structure
 from verl_core.config.engine import EngineConfig, ModelConfig
 from verl_core.data.batch import COMPUTE_ENTROPY, LOG_PROBS, TEMPERATURE
-from verl_core.engine import build_engine, build_lr_scheduler, build_optimizer
-from verl_core.engine.lora import LORA_ADAPTER_DIR, hf_name
-from verl_core.errors import ConfigError
+from verl_core.engine import build_engine
+from verl_core.errors import CheckpointError, ConfigError
 from verl_core.plugins import Registry
 from verl_core.testing.context import BASE_OPTIM, RankContext, exported, infer, train_step
 from verl_core.testing.lora_checks import LORA_MODEL, check_lora
 from verl_core.testing.losses import TEMPERATURE as KIT_TEMPERATURE
 from verl_core.testing.reference import load_reference_model, reference_loss
 from verl_core.testing.tiny import collate, make_samples, save_tiny_models
+from verl_core.toolkit import LORA_ADAPTER_DIR, build_lr_scheduler, build_optimizer
+from verl_core.toolkit.lora import hf_name
 from verl_core.trainer.rl import RLTrainer
 from verl_ddp import plugin as ddp_plugin
 from verl_ddp.engine import DDPEngine
@@ -117,9 +118,8 @@ def test_an_adapter_on_an_lm_head_tied_to_the_embeddings_is_refused(dirs, tmp_pa
 
 
 def test_a_critic_and_a_backend_without_lora_are_refused_by_key(dirs) -> None:
-    critic = lora_engine(dirs.value, role="value", config_path="critic.engine")
-    with pytest.raises(ConfigError) as error:
-        critic.initialize()  # refused before the model loads
+    with pytest.raises(ConfigError) as error:  # refused when the engine is built, before any model loads
+        lora_engine(dirs.value, role="value", config_path="critic.engine")
     assert error.value.errors[0][0] == "critic.engine.model.lora_rank"
     assert "head starts untrained" in error.value.errors[0][1]
     critic_config = f"{{backend: ddp, model: {{path: {dirs.value}, lora_rank: 8}}}}"
@@ -205,13 +205,16 @@ def test_one_step_trains_only_the_adapter_as_a_peft_model_and_adamw_would(dirs, 
     assert moments == 2 * adapter_numel
     assert adapter_numel < sum(p.numel() for p in engine.module.parameters()) / 4  # the tiny model: 13%
 
-    # The checkpoint holds the adapter only; a full fine-tuning engine refuses it, naming the model.
+    # The checkpoint holds the adapter only; a full fine-tuning engine refuses it, saying why.
     engine.save_checkpoint(str(tmp_path / "checkpoint"), global_step=1)
     saved = torch.load(tmp_path / "checkpoint" / "model.pt", weights_only=True)
     assert set(saved) == trainable
     full = build_engine(EngineConfig(backend="ddp", model=ModelConfig(path=str(dirs.lm)), device="cpu"))
     full.initialize()
-    with pytest.raises(Exception, match="another model"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint holds a LoRA adapter \(lora.json\), but this engine trains the full model",
+    ):
         full.load_checkpoint(str(tmp_path / "checkpoint"))
 
 

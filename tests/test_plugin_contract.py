@@ -29,7 +29,7 @@ OPTIONS = """
 """
 
 ENGINE = """
-    from verl_core.engine import HFEngine
+    from verl_core.toolkit import HFEngine
     from {package}.options import Options
 
     class Engine(HFEngine):
@@ -62,8 +62,8 @@ EAGER_ENGINE = """
 
 #: An engine that imports a name from where verl-core 0.1 had it (deprecated since 0.2.0).
 DEPRECATED_ENGINE = ENGINE.replace(
-    "    from verl_core.engine import HFEngine\n",
-    "    from verl_core.engine import HFEngine\n    from verl_core.engine.distributed import barrier\n",
+    "    from verl_core.toolkit import HFEngine\n",
+    "    from verl_core.toolkit import HFEngine\n    from verl_core.engine.distributed import barrier\n",
 )
 
 #: An engine whose options class is not the one its descriptor names.

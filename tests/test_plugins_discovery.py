@@ -8,7 +8,8 @@ import pytest
 from fixtures.fake_dist import backends_plugin, fake_distributions
 
 from verl_core.errors import DuplicateNameError, PluginLoadError, PluginWarning, SwitchError, UnknownNameError
-from verl_core.plugins import ENV_BLOCK, ENV_DISABLE_AUTOLOAD, ENV_PLUGINS, ENV_TRACE, PluginInfo, Registry
+from verl_core.plugins import PluginInfo, Registry
+from verl_core.plugins.switches import ENV_BLOCK, ENV_DISABLE_AUTOLOAD, ENV_PLUGINS, ENV_TRACE
 
 RAISES_ON_IMPORT = "raise RuntimeError('boom: missing dependency')"
 
@@ -55,7 +56,7 @@ def test_plugin_that_raises_on_import_is_broken_and_the_others_work(dists):
     with pytest.raises(UnknownNameError) as caught:
         registry.get("engine_backends", "goo")
     message = str(caught.value)
-    assert "Did you mean 'good'?" in message
+    assert "(did you mean 'good'?)" in message
     assert (
         "Note: a broken plugin might provide it: plugin 'broken' (broken-dist 1.2) failed to import"
         in message

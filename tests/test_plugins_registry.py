@@ -18,22 +18,16 @@ from verl_core import (
     AdvantageEstimator,
     EngineBackend,
     PolicyLoss,
-    VerlCoreDeprecationWarning,
     __version__,
     hookimpl,
 )
 from verl_core.algos import catalog
+from verl_core.deprecation import VerlCoreDeprecationWarning
 from verl_core.errors import ApiVersionError, DuplicateNameError, PluginValidationError, UnknownNameError
-from verl_core.plugins import (
-    ENV_BLOCK,
-    ENV_DISABLE_AUTOLOAD,
-    ENV_PLUGINS,
-    ENV_TRACE,
-    FIRST_PARTY,
-    Registry,
-    get_plugin_manager,
-    get_registry,
-)
+from verl_core.plugins import Registry, get_registry
+from verl_core.plugins.discovery import get_plugin_manager
+from verl_core.plugins.messages import FIRST_PARTY
+from verl_core.plugins.switches import ENV_BLOCK, ENV_DISABLE_AUTOLOAD, ENV_PLUGINS, ENV_TRACE
 
 KINDS = [
     "engine_backends",
@@ -116,7 +110,7 @@ def test_unknown_name_lists_installed_names_and_suggests_the_close_match():
     message = str(caught.value)
     assert "Unknown engine backend 'veomini' (from actor.engine.backend)" in message
     assert "Installed engine backends: ddp (no distribution), veomni (no distribution)" in message
-    assert "Did you mean 'veomni'?" in message
+    assert "(did you mean 'veomni'?)" in message
     assert caught.value.__cause__ is None  # no broken plugin to blame
 
 
@@ -150,7 +144,7 @@ def test_misspelled_first_party_backend_suggests_it_with_its_pip_extra(monkeypat
         Registry.from_plugins().get("engine_backends", "tpuu", where="actor.engine.backend")
     message = str(caught.value)
     assert "Unknown engine backend 'tpuu' (from actor.engine.backend)" in message
-    assert "Did you mean 'tpu'?" in message
+    assert "(did you mean 'tpu'?)" in message
     assert (
         "The 'tpu' engine backend ships in verl-tpu-plugin-not-installed: pip install \"verl-core[tpu]\""
         in message
@@ -237,12 +231,12 @@ def test_misspelled_hook_implementation_is_broken_with_a_suggestion():
     errors = {info.name: info.error for info in registry.plugins if info.status == "broken"}
     assert errors.keys() == {"Misspelled", "Unmarked", "UnknownUnmarked"}
     assert (
-        "@hookimpl verl_engine_backend() is not a verl-core hook; did you mean verl_engine_backends?"
+        "@hookimpl verl_engine_backend() is not a verl-core hook (did you mean 'verl_engine_backends'?)"
         in (errors["Misspelled"])
     )
     assert "verl_engine_backends() is not decorated with @verl_core.hookimpl" in errors["Unmarked"]
     assert errors["UnknownUnmarked"].endswith(
-        "verl_engine_backendz() is not a verl-core hook; did you mean verl_engine_backends?"
+        "verl_engine_backendz() is not a verl-core hook (did you mean 'verl_engine_backends'?)"
     )
 
 

@@ -19,9 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_core import RewardFunction, hookimpl
+from verl_core.descriptors import is_file_spec
 from verl_core.errors import DuplicateNameError, RewardError, UnknownNameError
 from verl_core.plugins import Registry
-from verl_core.reward import RewardScores, catalog, is_file_spec, load_reward_function, score_responses
+from verl_core.reward import RewardScores, catalog, load_reward_function, score_responses
 from verl_core.reward.builtin import (
     digits,
     exact_match,
@@ -420,7 +421,7 @@ def test_an_unknown_name_lists_the_installed_ones_and_the_close_match() -> None:
         load_reward_function("exactmatch", registry)
     message = str(error.value)
     assert "Unknown reward function 'exactmatch' (from reward.function)" in message
-    assert "Did you mean 'exact_match'?" in message
+    assert "(did you mean 'exact_match'?)" in message
     for name in ("exact_match", "math_answer", "digits", "acme_length"):
         assert name in message
 
@@ -583,7 +584,7 @@ def test_a_missing_function_lists_what_the_file_defines_and_the_close_match(tmp_
     assert (
         "Its functions: Scorer, helper_score, score_with_defaults, scorer." in message
     )  # not the imported sqrt
-    assert "Did you mean 'helper_score'?" in message
+    assert "(did you mean 'helper_score'?)" in message
 
 
 def test_an_object_that_is_not_callable_or_takes_other_arguments_is_refused(tmp_path) -> None:

@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from verl_core.config.engine import ModelConfig
+from verl_core.data import ROLLOUT_LOG_PROBS
 from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
+from verl_core.errors import RolloutError
 from verl_core.plugins import Registry
-from verl_core.rollout.base import ROLLOUT_LOG_PROBS, RolloutError, SamplingParams
+from verl_core.rollout.base import SamplingParams
 from verl_core.rollout.config import HFRolloutConfig
 from verl_core.rollout.hf import HFRollout
 from verl_core.rollout.sampling import filter_logits

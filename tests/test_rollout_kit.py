@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from verl_core import RolloutBackend, hookimpl
+from verl_core.data import ROLLOUT_LOG_PROBS
 from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
 from verl_core.errors import UnknownNameError
 from verl_core.rollout import hf as hf_rollout
-from verl_core.rollout.base import ROLLOUT_LOG_PROBS
 from verl_core.rollout.config import HFRolloutConfig
 from verl_core.rollout.decoder import decoder_for
 from verl_core.rollout.hf import HFRollout

@@ -201,7 +201,7 @@ def test_two_steps_on_a_ray_cluster_started_with_ray_start_in_another_folder_wit
     import tempfile
     from pathlib import Path
 
-    from verl_core.engine.checkpoint import MARKER_FILE
+    from verl_core.toolkit.checkpoint import MARKER_FILE
     from verl_core.trainer import checkpoints
     from verl_core.workers.ray_group import RAY_ENVIRONMENT
 
@@ -286,9 +286,9 @@ def test_grpo_with_lora_on_two_fsdp_ranks_under_ray_exports_what_it_trained(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from verl_core.data.batch import LOG_PROBS
-    from verl_core.engine.lora import LORA_ADAPTER_DIR
     from verl_core.testing.reference import reference_outputs
     from verl_core.testing.tiny import collate, make_samples
+    from verl_core.toolkit import LORA_ADAPTER_DIR
 
     overrides = run_overrides(
         demo,

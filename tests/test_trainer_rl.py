@@ -11,8 +11,8 @@ from fixtures.demo import build_small_demo, run_overrides
 
 from verl_core.config import load_config
 from verl_core.data.batch import OLD_LOG_PROBS, ROLLOUT_LOG_PROBS
-from verl_core.engine.checkpoint import MARKER_FILE
 from verl_core.errors import ConfigError
+from verl_core.toolkit.checkpoint import MARKER_FILE
 from verl_core.trainer import checkpoints
 from verl_core.trainer.rl import RLTrainer, outcome_rewards
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_core.engine.topology import Topology, check_topologies
+from verl_core.engine import Topology, check_topologies
 from verl_core.errors import ConfigError
 from verl_core.workers.dispatch import (
     balanced_shards,

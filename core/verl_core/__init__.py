@@ -1,17 +1,18 @@
 """verl-core: plugin-extensible RL post-training for language models.
 
 This module is the public plugin API and stays light: importing it does not import torch or any
-backend. Engines live in ``verl_core.engine``, algorithms in ``verl_core.algos``. docs/api.md lists
-every public name and the policy by which they change.
+backend. The engine contract lives in ``verl_core.engine``, what engines are built from in
+``verl_core.toolkit``, algorithms in ``verl_core.algos``. docs/api.md lists every public name (each has
+one home) and the policy by which they change.
 """
 
-from verl_core.deprecation import VerlCoreDeprecationWarning
 from verl_core.descriptors import (
     ENGINE_API_VERSION,
     MIN_ENGINE_API_VERSION,
     AdvantageEstimator,
     EngineBackend,
     Environment,
+    ModelRole,
     PolicyLoss,
     RewardFunction,
     RolloutBackend,
@@ -27,9 +28,9 @@ __all__ = [
     "AdvantageEstimator",
     "EngineBackend",
     "Environment",
+    "ModelRole",
     "PolicyLoss",
     "RewardFunction",
     "RolloutBackend",
-    "VerlCoreDeprecationWarning",
     "hookimpl",
 ]

@@ -21,7 +21,7 @@ from typing import Any
 
 from verl_core import __version__
 from verl_core.errors import PluginWarning, VerlCoreError
-from verl_core.hookspecs import ENGINE_BACKENDS
+from verl_core.hookspecs import Kind
 from verl_core.plugins import get_registry, messages
 from verl_core.plugins.table import (
     BACKEND_COLUMNS,
@@ -154,16 +154,16 @@ def _run_plugins(args: argparse.Namespace) -> int:
         return 2
     for warning in caught:  # a block-list entry that names nothing installed, say
         print(f"warning: {warning.message}", file=sys.stderr)
-    tables = {ENGINE_BACKENDS: backend_rows(registry)}
+    tables = {Kind.ENGINE_BACKENDS: backend_rows(registry)}
     if args.all:
         tables.update(
-            {kind: entry_rows(registry, kind) for kind in registry.kinds if kind != ENGINE_BACKENDS}
+            {kind: entry_rows(registry, kind) for kind in registry.kinds if kind != Kind.ENGINE_BACKENDS}
         )
     if args.json:
-        document = tables if args.all else tables[ENGINE_BACKENDS]
+        document = tables if args.all else tables[Kind.ENGINE_BACKENDS]
         print(json.dumps(document, indent=2))
         return 0
-    blocks = [format_table(tables.pop(ENGINE_BACKENDS), BACKEND_COLUMNS)]
+    blocks = [format_table(tables.pop(Kind.ENGINE_BACKENDS), BACKEND_COLUMNS)]
     blocks += [f"{kind}:\n" + format_table(rows, ENTRY_COLUMNS) for kind, rows in tables.items()]
     problems = [] if args.all else problem_notes(registry)
     if problems:

@@ -14,11 +14,13 @@ public-API test can list them all (``DEPRECATIONS``)::
     # the whole file of a module that moved: verl_core/engine/distributed.py
     __getattr__, __dir__, __all__ = moved_module(__name__, "verl_core.distributed", since=..., removed_in=...)
 
-Using a deprecated name emits ``VerlCoreDeprecationWarning``, a ``DeprecationWarning`` subclass, once
-per call site (Python's ``default`` action). Python hides ``DeprecationWarning`` outside ``__main__``;
-core shows its own unless you configure warnings yourself (``-W``, ``PYTHONWARNINGS``, pytest's
-``filterwarnings``): ``-W error::verl_core.deprecation.VerlCoreDeprecationWarning`` makes them errors in
-a plugin's CI, ``-W ignore::...`` silences them. Nothing here imports torch.
+Using a deprecated name emits a ``VerlCoreDeprecationWarning`` (a ``DeprecationWarning``) once per
+call site (Python's ``default`` action); the class names the release that removes it, as pytest's
+``PytestRemovedIn9Warning`` does: ``VerlCoreRemovedIn04Warning`` for what 0.4.0 removes, so that a
+plugin's CI can make exactly what breaks at the next removal an error
+(``-W error::verl_core.deprecation.VerlCoreRemovedIn04Warning``). Python hides ``DeprecationWarning``
+outside ``__main__``; core shows its own unless you configure warnings yourself (``-W``,
+``PYTHONWARNINGS``, pytest's ``filterwarnings``). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -33,15 +35,12 @@ from typing import Any, TypeVar
 import attrs
 
 __all__ = [
-    "DEPRECATIONS",
-    "Deprecation",
     "VerlCoreDeprecationWarning",
-    "declare",
+    "VerlCoreRemovedIn04Warning",
     "deprecated",
     "deprecated_argument",
     "moved_module",
     "moved_names",
-    "warn_deprecated",
 ]
 
 T = TypeVar("T")
@@ -49,18 +48,29 @@ T = TypeVar("T")
 
 class VerlCoreDeprecationWarning(DeprecationWarning):
     """A deprecated verl-core name, argument or module was used; the message names its replacement and
-    the release that removes it."""
+    the release that removes it. Each removal release has a subclass (``VerlCoreRemovedIn04Warning``)."""
+
+
+class VerlCoreRemovedIn04Warning(VerlCoreDeprecationWarning):
+    """What verl-core 0.4.0 removes: make it an error to find what a plugin must change before then."""
+
+
+#: The warning class of each release that removes deprecated names: a core deprecation for a release
+#: without one here is refused when declared (add the class, and to ``__all__``).
+REMOVAL_WARNINGS: dict[str, type[VerlCoreDeprecationWarning]] = {"0.4.0": VerlCoreRemovedIn04Warning}
 
 
 @attrs.frozen
 class Deprecation:
     """One deprecated name: ``what`` (its dotted path, or a description of an argument), the release
-    that deprecated it, the release that removes it, and what to use instead."""
+    that deprecated it, the release that removes it, what to use instead, and the warning ``category``
+    its uses emit."""
 
     what: str
     since: str
     removed_in: str
     replacement: str
+    category: type[DeprecationWarning] = VerlCoreDeprecationWarning
 
     @property
     def message(self) -> str:
@@ -81,10 +91,23 @@ if not sys.warnoptions:
 DEPRECATIONS: dict[str, Deprecation] = {}
 
 
-def declare(what: str, since: str, removed_in: str, replacement: str) -> Deprecation:
+Category = type[DeprecationWarning]
+
+
+def declare(
+    what: str, since: str, removed_in: str, replacement: str, category: Category | None = None
+) -> Deprecation:
     """Register a deprecation that is not a name (a behaviour, a missing argument) and return it, for
-    ``warn_deprecated``; the helpers below declare theirs themselves."""
-    deprecation = Deprecation(what, since, removed_in, replacement)
+    ``warn_deprecated``; the helpers below declare theirs themselves. ``category``: the warning class
+    (default: verl-core's for ``removed_in``; a plugin deprecating its own names passes its own)."""
+    if category is None:
+        if removed_in not in REMOVAL_WARNINGS:
+            raise ValueError(
+                f"{what}: no warning class for removal in {removed_in} (known: {sorted(REMOVAL_WARNINGS)}); "
+                "add one to verl_core.deprecation.REMOVAL_WARNINGS, or pass category="
+            )
+        category = REMOVAL_WARNINGS[removed_in]
+    deprecation = Deprecation(what, since, removed_in, replacement, category)
     DEPRECATIONS[what] = deprecation
     return deprecation
 
@@ -92,15 +115,17 @@ def declare(what: str, since: str, removed_in: str, replacement: str) -> Depreca
 def warn_deprecated(deprecation: Deprecation, stacklevel: int = 2) -> None:
     """Emit ``deprecation``'s warning, attributed to the frame ``stacklevel`` levels up (2: the caller of
     the function that calls this)."""
-    warnings.warn(deprecation.message, VerlCoreDeprecationWarning, stacklevel=stacklevel + 1)
+    warnings.warn(deprecation.message, deprecation.category, stacklevel=stacklevel + 1)
 
 
-def deprecated(*, since: str, removed_in: str, replacement: str) -> Callable[[T], T]:
+def deprecated(
+    *, since: str, removed_in: str, replacement: str, category: Category | None = None
+) -> Callable[[T], T]:
     """Mark a function or class deprecated: calling (or instantiating) it warns at the caller's line."""
 
     def decorate(obj: T) -> T:
         what = f"{obj.__module__}.{obj.__qualname__}"
-        deprecation = declare(what, since, removed_in, replacement)
+        deprecation = declare(what, since, removed_in, replacement, category)
         if isinstance(obj, type):
             original_init = obj.__init__
 
@@ -123,7 +148,13 @@ def deprecated(*, since: str, removed_in: str, replacement: str) -> Callable[[T]
 
 
 def deprecated_argument(
-    name: str, *, since: str, removed_in: str, replacement: str, renamed_to: str | None = None
+    name: str,
+    *,
+    since: str,
+    removed_in: str,
+    replacement: str,
+    renamed_to: str | None = None,
+    category: Category | None = None,
 ) -> Callable[[T], T]:
     """Mark keyword argument ``name`` of a function deprecated: passing it warns at the caller's line.
 
@@ -133,7 +164,7 @@ def deprecated_argument(
 
     def decorate(function: T) -> T:
         what = f"argument {name!r} of {function.__module__}.{function.__qualname__}"  # type: ignore[attr-defined]
-        deprecation = declare(what, since, removed_in, replacement)
+        deprecation = declare(what, since, removed_in, replacement, category)
 
         @functools.wraps(function)  # type: ignore[arg-type]
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -151,35 +182,45 @@ def deprecated_argument(
 
 
 def _resolve(target: str) -> Any:
-    module, _, attribute = target.partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    """``"package.module:name"`` or ``"package.module:Class.member"``."""
+    module, _, qualname = target.partition(":")
+    obj = importlib.import_module(module)
+    for attribute in qualname.split("."):
+        obj = getattr(obj, attribute)
+    return obj
 
 
 def moved_names(
-    module: str, moved: Mapping[str, str], *, since: str, removed_in: str
+    module: str,
+    moved: Mapping[str, str],
+    *,
+    since: str,
+    removed_in: str,
+    category: Category | None = None,
 ) -> Callable[[str], Any]:
     """A module-level ``__getattr__`` for ``module`` that serves each name of ``moved`` (old name ->
     ``"new.module:name"``) from its new home, with a warning at the line that uses it."""
     deprecations = {
-        old: declare(f"{module}.{old}", since, removed_in, target.replace(":", "."))
+        old: declare(f"{module}.{old}", since, removed_in, target.replace(":", "."), category)
         for old, target in moved.items()
     }
 
-    def __getattr__(name: str) -> Any:
+    def __getattr__(name: str, stacklevel: int = 2) -> Any:
+        # ``stacklevel``: the frame that used the name (2, Python calling this; a wrapper passes more).
         if name not in moved:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
-        warn_deprecated(deprecations[name])
+        warn_deprecated(deprecations[name], stacklevel=stacklevel)
         return _resolve(moved[name])
 
     return __getattr__
 
 
 def moved_module(
-    old: str, new: str, *, since: str, removed_in: str
+    old: str, new: str, *, since: str, removed_in: str, category: Category | None = None
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
     """``(__getattr__, __dir__, __all__)`` for the file left at a module's old path: every public name
     of ``new`` stays importable from ``old``, each use warning once per call site."""
-    deprecation = declare(old, since, removed_in, new)
+    deprecation = declare(old, since, removed_in, new, category)
     names = list(importlib.import_module(new).__all__)
 
     def __getattr__(name: str) -> Any:

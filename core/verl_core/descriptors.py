@@ -7,31 +7,15 @@ listing plugins stays fast.
 
 from __future__ import annotations
 
+import enum
 import importlib
 import re
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
 from verl_core.deprecation import declare, warn_deprecated
-
-__all__ = [
-    "DEVICES",
-    "ENGINE_API_VERSION",
-    "MIN_ENGINE_API_VERSION",
-    "MODEL_ROLES",
-    "AdvantageEstimator",
-    "EngineBackend",
-    "Environment",
-    "Loadable",
-    "ModelRole",
-    "PolicyLoss",
-    "RewardFunction",
-    "RolloutBackend",
-    "is_file_spec",
-    "load_object",
-]
 
 #: Version of the engine contract (``verl_core.engine.BaseEngine`` and the loss contract), the newest
 #: one this core speaks. A backend declares the version it targets (``EngineBackend.api_version``).
@@ -43,10 +27,30 @@ MIN_ENGINE_API_VERSION = 1
 #: its own version, 1.
 UNSTATED_API_VERSION = 1
 
-ModelRole = Literal["lm", "value"]
-#: ``lm``: a language-model head producing per-token log-probs (policy, reference);
-#: ``value``: a scalar value head per token (critic).
-MODEL_ROLES: tuple[str, ...] = ("lm", "value")
+
+class Choice(str, enum.Enum):
+    """One of a fixed set of names that configs and plugins spell as strings: each member equals its
+    string (``ModelRole.LM == "lm"``), prints as it, and ``ModelRole("lm")`` looks one up (a
+    ``ValueError`` listing the choices for any other string)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def _missing_(cls, value: object) -> None:
+        raise ValueError(f"{value!r} is not a {cls.__name__}: expected one of {[str(m) for m in cls]}")
+
+
+class ModelRole(Choice):
+    """What an engine's model computes per token."""
+
+    #: A language-model head producing per-token log-probs (policy, reference).
+    LM = "lm"
+    #: A scalar value head (critic).
+    VALUE = "value"
+
+
+MODEL_ROLES: tuple[ModelRole, ...] = tuple(ModelRole)
 DEVICES: tuple[str, ...] = ("cpu", "cuda", "npu", "xpu", "mps")
 
 _NAME = re.compile(r"^[a-z][a-z0-9_\-.]*$")
@@ -101,7 +105,7 @@ def _check_members(allowed: tuple[str, ...]) -> Callable[[Any, attrs.Attribute, 
         if not value or unknown:
             raise ValueError(
                 f"{type(instance).__name__}.{attribute.name}={value!r}: expected a non-empty subset of "
-                f"{allowed}"
+                f"{tuple(map(str, allowed))}"
             )
 
     return check
@@ -134,6 +138,11 @@ def _as_tuple(value: Any) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
+def _as_roles(value: Any) -> tuple[ModelRole | str, ...]:
+    """Role names as ``ModelRole`` members; others are left for the validator to name."""
+    return tuple(ModelRole(role) if role in MODEL_ROLES else role for role in _as_tuple(value))
+
+
 @attrs.frozen
 class EngineBackend:
     """An engine backend: one way to own a model on a rank (FSDP, Megatron, DDP, ...).
@@ -154,8 +163,8 @@ class EngineBackend:
     devices: tuple[str, ...] = attrs.field(
         default=("cpu", "cuda"), converter=_as_tuple, validator=_check_members(DEVICES)
     )
-    roles: tuple[str, ...] = attrs.field(
-        default=("lm", "value"), converter=_as_tuple, validator=_check_members(MODEL_ROLES)
+    roles: tuple[ModelRole, ...] = attrs.field(
+        default=MODEL_ROLES, converter=_as_roles, validator=_check_members(MODEL_ROLES)
     )
     api_version: int = attrs.field(default=None, validator=_check_api_version)
     description: str = ""

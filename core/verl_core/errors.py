@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 __all__ = [
     "AgentError",
     "ApiVersionError",
+    "CheckpointError",
     "ConfigError",
     "ConfigWarning",
     "DataError",
@@ -15,6 +19,7 @@ __all__ = [
     "PluginValidationError",
     "PluginWarning",
     "RewardError",
+    "RolloutError",
     "SwitchError",
     "TrainerError",
     "UnknownNameError",
@@ -83,6 +88,14 @@ class AgentError(VerlCoreError):
     breaks its contract, a tools file that cannot be loaded."""
 
 
+class CheckpointError(VerlCoreError):
+    """A checkpoint directory is missing, incomplete, or was written by an incompatible engine."""
+
+
+class RolloutError(VerlCoreError):
+    """A rollout cannot generate: weights that do not fit its model, or use before initialisation."""
+
+
 class RewardError(VerlCoreError):
     """A reward function could not be loaded, or failed on a sample (the message names the sample)."""
 
@@ -99,3 +112,19 @@ class TrainerError(VerlCoreError, RuntimeError):
 class NothingToTrain(VerlCoreError):
     """The checkpoint a run would resume from is at its last step already: not a failure, but nothing
     is started (``verl-core train`` prints the message and exits 0). The message says how to go on."""
+
+
+def close_match(value: object, choices: Iterable[str]) -> str | None:
+    """The choice closest to ``value`` (difflib's similarity of 0.6 or more), or ``None``: what every
+    message of core suggests for a misspelt name, key or column."""
+    if not isinstance(value, str):
+        return None
+    matches = difflib.get_close_matches(value, list(choices), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def did_you_mean(value: object, choices: Iterable[str]) -> str:
+    """`` (did you mean 'grpo'?)`` for the choice closest to ``value``, or ``""`` when none is close:
+    the one wording of the hint, appended to a message."""
+    match = close_match(value, choices)
+    return f" (did you mean {match!r}?)" if match is not None and match != value else ""

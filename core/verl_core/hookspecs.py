@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import pluggy
 
+from verl_core.deprecation import moved_names
 from verl_core.descriptors import (
     AdvantageEstimator,
+    Choice,
     EngineBackend,
     Environment,
     PolicyLoss,
@@ -19,18 +21,9 @@ from verl_core.descriptors import (
     RolloutBackend,
 )
 
+#: The hooks; ``hookimpl`` and ``ENTRY_POINT_GROUP`` are public from ``verl_core``, ``Kind`` from
+#: ``verl_core.plugins``.
 __all__ = [
-    "ADVANTAGE_ESTIMATORS",
-    "ENGINE_BACKENDS",
-    "ENTRY_POINT_GROUP",
-    "ENVIRONMENTS",
-    "HOOK_PREFIX",
-    "POLICY_LOSSES",
-    "PROJECT_NAME",
-    "REWARD_FUNCTIONS",
-    "ROLLOUT_BACKENDS",
-    "hookimpl",
-    "hookspec",
     "verl_advantage_estimators",
     "verl_engine_backends",
     "verl_environments",
@@ -41,15 +34,20 @@ __all__ = [
 
 PROJECT_NAME = "verl_core"
 ENTRY_POINT_GROUP = "verl_core.plugins"
-
-#: The registry kinds: each hook's name without its ``verl_`` prefix (``Registry.get(ENGINE_BACKENDS, "fsdp")``).
-ENGINE_BACKENDS = "engine_backends"
-ADVANTAGE_ESTIMATORS = "advantage_estimators"
-POLICY_LOSSES = "policy_losses"
-ROLLOUT_BACKENDS = "rollout_backends"
-REWARD_FUNCTIONS = "reward_functions"
-ENVIRONMENTS = "environments"
 HOOK_PREFIX = "verl_"
+
+
+class Kind(Choice):
+    """What plugins provide, one kind per hook (its name without ``verl_``): the first argument of the
+    registry's lookups, ``get_registry().get(Kind.ENGINE_BACKENDS, "fsdp")``."""
+
+    ENGINE_BACKENDS = "engine_backends"
+    ADVANTAGE_ESTIMATORS = "advantage_estimators"
+    POLICY_LOSSES = "policy_losses"
+    ROLLOUT_BACKENDS = "rollout_backends"
+    REWARD_FUNCTIONS = "reward_functions"
+    ENVIRONMENTS = "environments"
+
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -125,3 +123,11 @@ def verl_environments() -> list[Environment]:
     Called once per plugin when the registry is built; the environment factory is imported when a run
     selects it. Failures make the plugin ``broken``, as for ``verl_engine_backends``.
     """
+
+
+__getattr__ = moved_names(
+    __name__,
+    {kind.name: f"verl_core.plugins:Kind.{kind.name}" for kind in Kind},
+    since="0.2.0",
+    removed_in="0.4.0",
+)

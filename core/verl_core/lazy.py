@@ -14,14 +14,17 @@ from typing import Any
 
 
 def lazy_exports(
-    package: str, exports: Mapping[str, str]
+    package: str, exports: Mapping[str, str], moved: Callable[[str], Any] | None = None
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """Module-level ``__getattr__`` and ``__dir__`` that import ``exports[name]`` on first use."""
+    """Module-level ``__getattr__`` and ``__dir__`` that import ``exports[name]`` on first use; other
+    names go to ``moved`` (``verl_core.deprecation.moved_names``: the names that left, with a warning)."""
 
     def __getattr__(name: str) -> Any:
-        if name not in exports:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(exports[name]), name)
+        if name in exports:
+            return getattr(importlib.import_module(exports[name]), name)
+        if moved is not None:
+            return moved(name, stacklevel=3)  # the warning points past this function
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:
         return sorted(exports)

@@ -18,9 +18,10 @@ from verl_core.errors import ConfigError
 from verl_core.plugins import Registry
 from verl_core.testing.losses import policy_loss_fn
 from verl_core.testing.tiny import collate, make_samples
+from verl_core.toolkit import DistributedCheckpoint
 from verl_fsdp import sharding
 from verl_fsdp.config import FSDPConfig
-from verl_fsdp.engine import OPTIMIZER_DIR, FSDPEngine
+from verl_fsdp.engine import FSDPEngine
 from verl_fsdp.sharding import check_shard_size
 
 torch.set_num_threads(1)
@@ -49,7 +50,7 @@ def test_option_errors_name_their_full_path(registry) -> None:
         structure(data, EngineConfig, "actor.engine", registry=registry)
     errors = dict(caught.value.errors)
     assert errors["actor.engine.fsdp.reshard_after_forwad"] == (
-        "unknown key (did you mean reshard_after_forward?)"
+        "unknown key (did you mean 'reshard_after_forward'?)"
     )
     assert "fp8" in errors["actor.engine.fsdp.param_dtype"]
     assert "bfloat16" in errors["actor.engine.fsdp.param_dtype"]
@@ -198,7 +199,7 @@ def test_checkpoint_saved_before_the_first_step_resumes_exactly(registry, tiny_m
 
     saved, resumed = fresh(), fresh()
     saved.save_checkpoint(str(tmp_path / "step0"), global_step=0)
-    assert not (tmp_path / "step0" / OPTIMIZER_DIR).exists()
+    assert not (tmp_path / "step0" / DistributedCheckpoint.OPTIMIZER_DIR).exists()
     assert resumed.load_checkpoint(str(tmp_path / "step0")) == 0
     expected = weights_after_a_step(fresh())  # never saved nor loaded
     for engine in (saved, resumed):

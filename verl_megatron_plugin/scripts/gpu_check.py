@@ -64,8 +64,8 @@ def batch(vocab: int):
     """``BATCH`` full-length sequences of random tokens in the batch contract."""
     from tensordict import TensorDict
 
+    from verl_core.data import COMPUTE_ENTROPY, TEMPERATURE
     from verl_core.data import batch as keys
-    from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE
 
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(1, vocab, (BATCH, PROMPT + RESPONSE), generator=generator)

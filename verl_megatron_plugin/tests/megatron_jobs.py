@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from verl_core.config.engine import EngineConfig, MicroBatchConfig, ModelConfig
-from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE, build_engine
+from verl_core.data import COMPUTE_ENTROPY, TEMPERATURE
+from verl_core.engine import build_engine
 from verl_core.testing.checks import BASE_OPTIM
 from verl_core.testing.losses import TEMPERATURE as KIT_TEMPERATURE
 from verl_core.testing.losses import policy_loss_fn

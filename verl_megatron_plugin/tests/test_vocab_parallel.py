@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verl_core.engine import log_probs_and_entropy
 from verl_core.testing.spawn import spawn
+from verl_core.toolkit import log_probs_and_entropy
 from verl_megatron.weights import padded_vocab_size
 
 pytestmark = pytest.mark.distributed

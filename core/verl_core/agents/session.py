@@ -13,7 +13,7 @@ from verl_core.agents.loop import AgentLoop, Generate
 from verl_core.agents.template import TurnTemplate
 from verl_core.config.run import RunConfig
 from verl_core.data.batch import ATTENTION_MASK, ENVIRONMENT_REWARDS, RESPONSE_MASK, RESPONSES
-from verl_core.hookspecs import ENVIRONMENTS
+from verl_core.hookspecs import Kind
 from verl_core.rollout.base import SamplingParams
 
 #: The config key that selects the environment, for messages.
@@ -29,9 +29,9 @@ def build_agent_loop(
     agent = config.rollout.agent
     if agent.environment is None:
         return None
-    from verl_core.plugins import get_registry
+    from verl_core.plugins.registry import registry_or_installed
 
-    entry = (registry or get_registry()).entry(ENVIRONMENTS, agent.environment, where=ENVIRONMENT_KEY)
+    entry = registry_or_installed(registry).entry(Kind.ENVIRONMENTS, agent.environment, where=ENVIRONMENT_KEY)
     factory = entry.load("environment")
     template = TurnTemplate(tokenizer, sampling.eos_token_ids)
     return AgentLoop(template, factory, agent, config.rollout.response_length)

@@ -21,7 +21,6 @@ and KL as a loss term (``actor.policy_loss.kl_loss_type``).
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from typing import Protocol
 
@@ -30,6 +29,7 @@ import torch
 
 from verl_core.algos.aggregation import masked_mean
 from verl_core.config.algorithm import KL_PENALTIES, KLControlConfig
+from verl_core.errors import did_you_mean
 
 #: Bounds of k3 (``low_var_kl``) that keep it finite when the policies drift far apart.
 _LOG_RATIO_CLAMP = 20.0
@@ -73,10 +73,8 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_penalty: s
     with the gradient of ``k2`` (``log_prob - ref_log_prob`` with respect to ``log_prob``).
     """
     if kl_penalty not in KL_PENALTIES:
-        close = difflib.get_close_matches(kl_penalty, KL_PENALTIES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(
-            f"unknown KL penalty {kl_penalty!r}{hint}: set algorithm.kl_penalty / "
+            f"unknown KL penalty {kl_penalty!r}{did_you_mean(kl_penalty, KL_PENALTIES)}: set algorithm.kl_penalty / "
             f"actor.policy_loss.kl_loss_type to one of {', '.join(KL_PENALTIES)}"
         )
     base_name, straight_through = kl_penalty.removesuffix("+"), kl_penalty.endswith("+")

@@ -32,6 +32,7 @@ import torch
 from verl_core.algos.aggregation import SEQ_MEAN_TOKEN_MEAN, agg_loss, check_loss_agg_mode, masked_mean
 from verl_core.config.algorithm import PolicyLossConfig
 from verl_core.data.batch import GlobalCounts
+from verl_core.deprecation import moved_names
 
 #: Log-ratios are clamped before ``exp`` so that a far off-policy token cannot overflow.
 MAX_LOG_RATIO = 20.0
@@ -466,5 +467,11 @@ def compute_policy_loss_sapo(
     )
 
 
-# Its home is actor_loss; still importable from here, where it was first defined.
-from verl_core.algos.actor_loss import compute_actor_loss as compute_actor_loss  # noqa: E402
+# First defined here; its home is the algorithms' face (importing it from here would be a cycle:
+# it calls the policy losses defined here).
+__getattr__ = moved_names(
+    __name__,
+    {"compute_actor_loss": "verl_core.algos:compute_actor_loss"},
+    since="0.2.0",
+    removed_in="0.4.0",
+)

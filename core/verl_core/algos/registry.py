@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from verl_core.hookspecs import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
-from verl_core.plugins import Registry, get_registry
+from verl_core.hookspecs import Kind
+from verl_core.plugins.registry import Registry, registry_or_installed
 
 
-def _load(kind: str, name: str, registry: Registry | None, where: str) -> Callable[..., Any]:
-    return (registry or get_registry()).entry(kind, name, where=where).load("function")
+def _load(kind: Kind, name: str, registry: Registry | None, where: str) -> Callable[..., Any]:
+    return registry_or_installed(registry).entry(kind, name, where=where).load("function")
 
 
 def get_advantage_estimator(name: str, registry: Registry | None = None) -> Callable[..., Any]:
@@ -26,7 +26,7 @@ def get_advantage_estimator(name: str, registry: Registry | None = None) -> Call
     process-wide one. Raises ``UnknownNameError`` listing the installed estimators, or
     ``DuplicateNameError`` naming both providers.
     """
-    return _load(ADVANTAGE_ESTIMATORS, name, registry, where="algorithm.adv_estimator")
+    return _load(Kind.ADVANTAGE_ESTIMATORS, name, registry, where="algorithm.adv_estimator")
 
 
 def get_policy_loss(name: str, registry: Registry | None = None) -> Callable[..., Any]:
@@ -36,4 +36,4 @@ def get_policy_loss(name: str, registry: Registry | None = None) -> Callable[...
     ``registry`` defaults to the process-wide one. Raises ``UnknownNameError`` listing the installed
     losses, or ``DuplicateNameError`` naming both providers.
     """
-    return _load(POLICY_LOSSES, name, registry, where="actor.policy_loss.loss_mode")
+    return _load(Kind.POLICY_LOSSES, name, registry, where="actor.policy_loss.loss_mode")

@@ -19,6 +19,7 @@ _EXPORTS = {
     "MicroBatchConfig": "verl_core.config.engine",
     "ModelConfig": "verl_core.config.engine",
     "OptimConfig": "verl_core.config.engine",
+    "OldLogProbsSource": "verl_core.config.run",
     "ActorConfig": "verl_core.config.run",
     "AgentConfig": "verl_core.config.run",
     "CriticConfig": "verl_core.config.run",
@@ -39,11 +40,9 @@ _EXPORTS = {
     "positive": "verl_core.config.validators",
     "unit_interval": "verl_core.config.validators",
     "structure": "verl_core.config.convert",
-    "structure_with_warnings": "verl_core.config.convert",
     "unstructure": "verl_core.config.convert",
     "dump_yaml": "verl_core.config.loading",
     "load_config": "verl_core.config.loading",
-    "parse_override": "verl_core.config.loading",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -8,7 +8,7 @@ import attrs
 
 from verl_core.config.names import registered
 from verl_core.config.validators import greater_than, non_negative, one_of, positive, unit_interval
-from verl_core.hookspecs import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from verl_core.hookspecs import Kind
 
 #: How per-token losses become one number; ``verl_core.algos.aggregation`` documents each mode.
 LossAggMode = Literal[
@@ -50,7 +50,7 @@ class AlgorithmConfig:
     """The ``algorithm`` section: advantage estimation and KL in the reward."""
 
     #: Name of a registered advantage estimator (``verl-core plugins --all`` lists them).
-    adv_estimator: str = registered(ADVANTAGE_ESTIMATORS, "gae")
+    adv_estimator: str = registered(Kind.ADVANTAGE_ESTIMATORS, "gae")
     gamma: float = attrs.field(default=1.0, validator=unit_interval)
     lam: float = attrs.field(default=1.0, validator=unit_interval)
     #: GRPO: divide by the group's std (False gives Dr.GRPO).
@@ -69,7 +69,7 @@ class PolicyLossConfig:
     """The actor's loss: which policy loss, its clipping, aggregation, entropy and KL terms."""
 
     #: Name of a registered policy loss; ``vanilla`` is PPO's clipped surrogate.
-    loss_mode: str = registered(POLICY_LOSSES, "vanilla")
+    loss_mode: str = registered(Kind.POLICY_LOSSES, "vanilla")
     loss_agg_mode: LossAggMode = "token-mean"
     clip_ratio: float = attrs.field(default=0.2, validator=non_negative)
     #: Asymmetric clipping (DAPO's clip-higher); ``None`` falls back to ``clip_ratio``.

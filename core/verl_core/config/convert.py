@@ -34,7 +34,7 @@ from verl_core.config.strict import (
     warn_ignored,
 )
 from verl_core.errors import ConfigError, ConfigWarning
-from verl_core.hookspecs import ENGINE_BACKENDS, ROLLOUT_BACKENDS
+from verl_core.hookspecs import Kind
 
 if typing.TYPE_CHECKING:
     from verl_core.plugins import Registry
@@ -90,8 +90,8 @@ def _load_options_class(registry: Registry, kind: str, name: str) -> type:
 
 def _make_backend_options_hooks(cls: type, kind: str) -> tuple[Any, Any]:
     """Hooks for a section with a ``backend`` name of registry ``kind`` and ``options`` of that
-    backend's own class (the descriptor's ``config``): ``EngineConfig`` and ``ENGINE_BACKENDS``,
-    ``RolloutConfig`` and ``ROLLOUT_BACKENDS``.
+    backend's own class (the descriptor's ``config``): ``EngineConfig`` and ``Kind.ENGINE_BACKENDS``,
+    ``RolloutConfig`` and ``Kind.ROLLOUT_BACKENDS``.
 
     In YAML the options sit under a key named after the backend (``fsdp: {...}``). A key named after
     another installed backend of ``kind`` is accepted, so that one override switches backends, and
@@ -149,7 +149,7 @@ def _make_backend_options_hooks(cls: type, kind: str) -> tuple[Any, Any]:
 
 
 def _register_backend_options_hooks() -> None:
-    for cls, kind in ((EngineConfig, ENGINE_BACKENDS), (RolloutConfig, ROLLOUT_BACKENDS)):
+    for cls, kind in ((EngineConfig, Kind.ENGINE_BACKENDS), (RolloutConfig, Kind.ROLLOUT_BACKENDS)):
         structure_hook, unstructure_hook = _make_backend_options_hooks(cls, kind)
         converter.register_structure_hook(cls, structure_hook)
         converter.register_unstructure_hook(cls, unstructure_hook)

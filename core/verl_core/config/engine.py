@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -11,9 +12,11 @@ from verl_core.config.validators import (
     InvalidValue,
     device,
     each,
+    finite,
     in_range,
     non_empty,
     non_negative,
+    one_of,
     positive,
     unit_interval,
 )
@@ -28,7 +31,7 @@ def _target_modules(instance: Any, attribute: attrs.Attribute[Any], value: str |
         each(non_empty)(instance, attribute, value)
 
 
-#: The dtypes a model is loaded in (``verl_core.engine.hf.DTYPES`` maps each to torch's): an engine's
+#: The dtypes a model is loaded in (``verl_core.toolkit.model.DTYPES`` maps each to torch's): an engine's
 #: ``model.dtype``, and ``rollout.dtype``.
 DtypeName = Literal["float32", "bfloat16", "float16"]
 
@@ -64,12 +67,35 @@ class ModelConfig:
         """Whether LoRA is on: a rank, or an adapter to start from."""
         return self.lora_rank > 0 or self.lora_adapter_path is not None
 
+    @property
+    def lora_key(self) -> str:
+        """The key that turned LoRA on, for messages: ``lora_rank``, or ``lora_adapter_path``."""
+        return "lora_rank" if self.lora_rank else "lora_adapter_path"
+
+    def lora_role_problem(self, role: str) -> tuple[str, str] | None:
+        """``(key, message)`` when LoRA is on for a role that cannot train an adapter, else ``None``.
+        LoRA trains policies (role ``lm``): a value model's head starts untrained and needs full training."""
+        if not self.lora or role == "lm":
+            return None
+        return (
+            self.lora_key,
+            f"LoRA is for the policy (role 'lm'), not role {role!r} (the critic): its value head starts "
+            "untrained and needs full training; remove it here (the actor can still use LoRA)",
+        )
+
+
+#: The learning-rate schedules after warmup (``verl_core.toolkit.optim`` has their formulas).
+LrScheduler = Literal["constant", "linear", "cosine"]
+LR_SCHEDULERS: tuple[str, ...] = typing.get_args(LrScheduler)
+
 
 @attrs.define
 class OptimConfig:
-    """AdamW with gradient clipping and a warmup + decay learning-rate schedule."""
+    """AdamW with gradient clipping and a warmup + decay learning-rate schedule. Its rules live here,
+    in its validators and ``check()``, for config files and engines built in code alike
+    (``verl_core.toolkit.validate_optim_config`` runs them at an engine's config path)."""
 
-    lr: float = attrs.field(default=1e-6, validator=non_negative)
+    lr: float = attrs.field(default=1e-6, validator=[finite, non_negative])
     betas: tuple[float, float] = attrs.field(
         default=(0.9, 0.999), validator=each(in_range(0, 1, include_high=False))
     )
@@ -78,19 +104,27 @@ class OptimConfig:
     #: Clip the global gradient norm to this value; 0 disables clipping (the norm is still reported).
     clip_grad: float = attrs.field(default=1.0, validator=non_negative)
     lr_warmup_steps: int = attrs.field(default=0, validator=non_negative)
-    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    lr_scheduler: LrScheduler = attrs.field(
+        default="constant", validator=one_of(LR_SCHEDULERS, "lr_scheduler")
+    )
     #: Final learning rate of the decay, as a fraction of ``lr``.
     min_lr_ratio: float = attrs.field(default=0.0, validator=unit_interval)
     #: Length of the decay, in optimiser steps; 0: the run's length. ``load_config`` fills it in from
     #: ``trainer.total_training_steps`` when that is set, else the trainer does from the dataset length.
     total_steps: int = attrs.field(default=0, validator=non_negative)
 
-    def check(self) -> Iterator[tuple[str, str]]:
-        if self.lr_scheduler != "constant" and 0 < self.total_steps <= self.lr_warmup_steps:
+    def check(self, *, length_required: bool = False) -> Iterator[tuple[str, str]]:
+        """A decaying schedule needs ``total_steps`` beyond the warmup. A config may leave it at 0 for
+        the trainer to fill in from the run's length; an engine being built needs it
+        (``length_required``: ``verl_core.toolkit.validate_optim_config``)."""
+        decays = self.lr_scheduler != "constant"
+        if decays and (self.total_steps > 0 or length_required) and self.total_steps <= self.lr_warmup_steps:
+            unset = " (0: the trainer sets it from the run's length; set it when building an engine)"
             yield (
                 "total_steps",
-                f"must exceed lr_warmup_steps ({self.lr_warmup_steps}): lr_scheduler {self.lr_scheduler!r} "
-                f"decays after the warmup until total_steps, got {self.total_steps}",
+                f"{self.total_steps}: lr_scheduler {self.lr_scheduler!r} decays after the warmup until "
+                f"total_steps, which must exceed lr_warmup_steps ({self.lr_warmup_steps})"
+                + (unset if self.total_steps == 0 else ""),
             )
 
 
@@ -112,7 +146,7 @@ class MicroBatchConfig:
     #: LM head a chunk of this many tokens at a time, so that its ``[tokens, vocabulary]`` logits never
     #: exist whole (the usual out-of-memory cause with large vocabularies); same values and gradients.
     #: ``null``: always whole. Models whose head is not a plain linear layer always run whole
-    #: (``verl_core.engine.hf.PLAIN_HEAD_MODEL_TYPES``).
+    #: (``verl_core.toolkit.model.PLAIN_HEAD_MODEL_TYPES``).
     logits_chunk_size: int | None = attrs.field(default=1024, validator=positive)
 
 

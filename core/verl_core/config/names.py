@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import ast
 import contextvars
-import difflib
 import os
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from verl_core.descriptors import is_file_spec
-from verl_core.errors import VerlCoreError
+from verl_core.errors import VerlCoreError, did_you_mean
 
 if TYPE_CHECKING:
     from verl_core.plugins import Registry
@@ -36,12 +35,9 @@ lookup_registry: contextvars.ContextVar[Registry | None] = contextvars.ContextVa
 
 def current_registry() -> Registry:
     """The registry of the ``structure`` call in progress, or the process-wide one."""
-    registry = lookup_registry.get()
-    if registry is None:
-        from verl_core.plugins import get_registry  # discovery only when a name is looked up
+    from verl_core.plugins.registry import registry_or_installed  # discovery only when a name is looked up
 
-        registry = get_registry()
-    return registry
+    return registry_or_installed(lookup_registry.get())
 
 
 @attrs.frozen
@@ -155,8 +151,7 @@ def file_function_problem(spec: str) -> str | None:
     functions, bound = top_level_names(tree)
     if name in bound:
         return None
-    match = difflib.get_close_matches(name, bound, n=1)
-    suggestion = f" (did you mean {match[0]!r}?)" if match else ""
+    suggestion = did_you_mean(name, bound)
     defined = ", ".join(functions) if functions else "none"
     return (
         f"{os.path.expanduser(path)} defines no top-level function or assignment {name!r}{suggestion}; "

@@ -3,7 +3,6 @@ from the notes cattrs leaves on its way up, and the wording of unknown, missing 
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 import attrs
@@ -14,7 +13,7 @@ from cattrs.errors import (
     IterableValidationNote,
 )
 
-from verl_core.errors import ConfigError
+from verl_core.errors import ConfigError, did_you_mean
 
 Errors = list[tuple[str, str]]
 
@@ -22,11 +21,9 @@ MISSING_KEY = "required key is missing: set it in the YAML file or with an overr
 
 
 def unknown_key_message(key: str, allowed: list[str]) -> str:
-    """``unknown key (did you mean lr?)``, or the allowed keys when none is close."""
-    match = difflib.get_close_matches(key, allowed, n=1)
-    if match:
-        return f"unknown key (did you mean {match[0]}?)"
-    return f"unknown key (allowed keys: {', '.join(allowed)})"
+    """``unknown key (did you mean 'lr'?)``, or the allowed keys when none is close."""
+    hint = did_you_mean(key, allowed) or f" (allowed keys: {', '.join(allowed)})"
+    return f"unknown key{hint}"
 
 
 def join_path(prefix: str, step: str) -> str:

@@ -21,8 +21,21 @@ from verl_core.config.algorithm import AlgorithmConfig, CriticLossConfig, Policy
 from verl_core.config.engine import DtypeName, EngineConfig, ModelConfig
 from verl_core.config.names import current_registry, functions_file_problem, registered
 from verl_core.config.validators import InvalidValue, each_rule, in_range, non_empty, non_negative, positive
+from verl_core.descriptors import Choice
 from verl_core.errors import VerlCoreError
-from verl_core.hookspecs import ADVANTAGE_ESTIMATORS, ENVIRONMENTS, REWARD_FUNCTIONS
+from verl_core.hookspecs import Kind
+
+
+class OldLogProbsSource(Choice):
+    """Where a step's old log-probs come from (``RunConfig.old_log_probs_source`` says when each)."""
+
+    #: Recomputed by the training engine before the update.
+    ENGINE = "engine"
+    #: The update's own forward pass, detached.
+    UPDATE = "update"
+    #: The rollout's log-probs of its sampled tokens.
+    ROLLOUT = "rollout"
+
 
 #: Whether the RL trainer's cross-section rules apply to the config being loaded: ``load_config``
 #: switches them off for SFT (``rl_rules=False``), which reads no estimator, rollout group or PPO
@@ -66,13 +79,9 @@ class CriticConfig:
     def check(self) -> Iterator[tuple[str, str]]:
         if self.enable and self.engine is None:
             yield "engine", "required when critic.enable is true: give it backend and model like actor.engine"
-        if self.engine is not None and self.engine.model.lora:
-            key = "lora_rank" if self.engine.model.lora_rank else "lora_adapter_path"
-            yield (
-                f"engine.model.{key}",
-                "LoRA is for the policy, not the critic: its value head starts untrained and needs full "
-                "training; remove it here (actor.engine.model can still use LoRA)",
-            )
+        if self.engine is not None and (problem := self.engine.model.lora_role_problem("value")) is not None:
+            key, message = problem
+            yield f"engine.model.{key}", message
 
     def ignored(self) -> Iterator[tuple[str, str]]:
         if self.engine is not None and not self.enable:
@@ -98,7 +107,7 @@ class AgentConfig:
 
     #: A registered environment (``verl-core plugins --all``; core's ``tools`` runs the functions of
     #: ``tools``); ``None``: single-turn rollouts.
-    environment: str | None = registered(ENVIRONMENTS, None)  # type: ignore[arg-type]
+    environment: str | None = registered(Kind.ENVIRONMENTS, None)  # type: ignore[arg-type]
     #: For the ``tools`` environment: a ``.py`` file whose public functions are the tools the model
     #: may call (a relative path is relative to the working directory).
     tools: str | None = attrs.field(
@@ -262,7 +271,7 @@ class RewardConfig:
 
     #: A registered reward function (``verl-core plugins --all``), or a function in your own file,
     #: ``path/to/file.py:function_name`` (a relative path is relative to the working directory).
-    function: str = registered(REWARD_FUNCTIONS, "exact_match", files=True)
+    function: str = registered(Kind.REWARD_FUNCTIONS, "exact_match", files=True)
     #: A reward function that raises: ``fail`` stops the run naming the sample; ``zero`` scores it 0.
     on_error: Literal["fail", "zero"] = "fail"
 
@@ -292,19 +301,19 @@ class RunConfig:
         dtype = self.rollout.dtype
         return model if dtype is None or dtype == model.dtype else attrs.evolve(model, dtype=dtype)
 
-    def old_log_probs_source(self, num_mini_batches: int) -> str:
+    def old_log_probs_source(self, num_mini_batches: int) -> OldLogProbsSource:
         """Where a step's old log-probs (PPO's ratio denominator) come from, with ``num_mini_batches``
         optimiser steps per batch and epoch:
 
-        - ``"engine"``: recomputed by the training engine before the update. Several updates per batch
+        - ``ENGINE``: recomputed by the training engine before the update. Several updates per batch
           (mini-batches, epochs) move the policy away from the rollout's before some of them; truncated
           importance sampling (``rollout_is_cap``) weighs the engine's against the rollout's; a KL penalty
           in the reward reads them before the update; or ``trainer.recompute_old_log_probs`` asks for it.
-        - ``"update"``: one update, and a rollout in another dtype than the engine's (``rollout.dtype``):
+        - ``UPDATE``: one update, and a rollout in another dtype than the engine's (``rollout.dtype``):
           the update's own forward pass, detached (the policy being updated is the one that sampled;
           the rollout's log-probs differ from the engine's by rounding, which PPO's ratio would count as
           policy change and clip). As TRL and verl do on-policy; it saves the engine a forward pass.
-        - ``"rollout"``: one update, the same dtype: the rollout's own log-probs.
+        - ``ROLLOUT``: one update, the same dtype: the rollout's own log-probs.
         """
         other_dtype = self.rollout_model.dtype != self.actor.engine.model.dtype
         if (
@@ -314,8 +323,8 @@ class RunConfig:
             or self.actor.policy_loss.rollout_is_cap is not None
             or (self.algorithm.use_kl_in_reward and other_dtype)
         ):
-            return "engine"
-        return "update" if other_dtype else "rollout"
+            return OldLogProbsSource.ENGINE
+        return OldLogProbsSource.UPDATE if other_dtype else OldLogProbsSource.ROLLOUT
 
     @property
     def uses_kl(self) -> bool:
@@ -342,7 +351,7 @@ class RunConfig:
         """The descriptor of ``algorithm.adv_estimator``, or None when the name does not resolve (its
         own error is reported at that key)."""
         try:
-            return current_registry().get(ADVANTAGE_ESTIMATORS, self.algorithm.adv_estimator)
+            return current_registry().get(Kind.ADVANTAGE_ESTIMATORS, self.algorithm.adv_estimator)
         except VerlCoreError:
             return None
 

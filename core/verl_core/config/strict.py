@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import difflib
 import math
 import types
 import typing
@@ -36,7 +35,7 @@ from verl_core.config.problems import (
     unknown_key_message,
 )
 from verl_core.config.validators import InvalidValue, is_unstructured
-from verl_core.errors import ConfigError
+from verl_core.errors import ConfigError, did_you_mean
 
 T = TypeVar("T")
 
@@ -87,9 +86,9 @@ def _structure_literal(value: Any, literal: Any) -> Any:
     if any(value == option and type(value) is type(option) for option in allowed):
         return value
     names = [option for option in allowed if isinstance(option, str)]
-    match = difflib.get_close_matches(value, names, n=1) if isinstance(value, str) else []
-    suggestion = f" (did you mean {match[0]!r}?)" if match else ""
-    raise ValueError(f"expected one of {', '.join(map(repr, allowed))}; got {short_repr(value)}{suggestion}")
+    raise ValueError(
+        f"expected one of {', '.join(map(repr, allowed))}; got {short_repr(value)}{did_you_mean(value, names)}"
+    )
 
 
 # -- containers -----------------------------------------------------------------------------------

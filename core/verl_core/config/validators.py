@@ -12,7 +12,7 @@ structure does not stop the others.
 
 from __future__ import annotations
 
-import difflib
+import math
 import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 
 from verl_core.descriptors import DEVICES
+from verl_core.errors import did_you_mean
 
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
@@ -86,6 +87,8 @@ positive = greater_than(0)
 non_negative = at_least(0)
 #: ``[0, 1]``: discount factors, ratios.
 unit_interval = in_range(0, 1)
+#: Neither infinite nor NaN (a NaN fails every comparison, so bounds alone would let it through).
+finite = _bound("finite", math.isfinite)
 #: A string with at least one character: paths, names.
 non_empty = _bound("non-empty", lambda value: len(value) > 0)
 
@@ -108,10 +111,8 @@ def one_of(names: Iterable[str], what: str, note: str = "") -> Validator:
 def unknown_choice_message(what: str, value: Any, choices: Iterable[str], note: str = "") -> str:
     """``unknown KL estimator 'k4' (did you mean 'k1'?); use one of kl, k1, ...``."""
     choices = list(choices)
-    match = difflib.get_close_matches(value, choices, n=1) if isinstance(value, str) else []
-    suggestion = f" (did you mean {match[0]!r}?)" if match else ""
     listed = ", ".join(choices) + (f"; {note}" if note else "")
-    return f"unknown {what} {value!r}{suggestion}; use one of {listed}"
+    return f"unknown {what} {value!r}{did_you_mean(value, choices)}; use one of {listed}"
 
 
 #: What a ``device`` option accepts, as its messages list it: ``auto`` and the device types of

@@ -46,9 +46,7 @@ _EXPORTS = {
     # micro-batching
     "MicroBatchSplit": _MICROBATCH,
     "split_micro_batches": _MICROBATCH,
-    "partition_by_token_budget": _MICROBATCH,
     # datasets and their order
-    "read_rows": "verl_core.data.files",
     "PromptDataset": _DATASET,
     "PromptRow": _DATASET,
     "SFTDataset": _DATASET,
@@ -56,7 +54,6 @@ _EXPORTS = {
     "load_prompt_datasets": _DATASET,
     "EpochSampler": _SAMPLER,
     "SamplerBatch": _SAMPLER,
-    "sequential_batches": _SAMPLER,
 }
 
 __all__ = sorted(_EXPORTS)

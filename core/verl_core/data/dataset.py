@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
-from verl_core.data.files import column_value, read_rows, row_location
+from verl_core.data import files
+from verl_core.data.files import column_value, row_location
 from verl_core.data.rendering import check_chat_template, encode, render_prompt
 from verl_core.deprecation import moved_names
 from verl_core.errors import DataError
@@ -126,7 +127,7 @@ class PromptDataset:
     def from_files(cls, paths: Sequence[str], tokenizer: Any, **options: Any) -> PromptDataset:
         """``read_rows(paths)`` as a dataset; ``options`` as for the constructor."""
         config_path = options.setdefault("config_path", "data.train_files")
-        return cls(read_rows(paths, config_path), tokenizer, **options)
+        return cls(files.read_rows(paths, config_path), tokenizer, **options)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -283,7 +284,7 @@ class SFTDataset:
     def from_files(cls, paths: Sequence[str], tokenizer: Any, **options: Any) -> SFTDataset:
         """``read_rows(paths)`` as a dataset; ``options`` as for the constructor."""
         config_path = options.setdefault("config_path", "data.train_files")
-        return cls(read_rows(paths, config_path), tokenizer, **options)
+        return cls(files.read_rows(paths, config_path), tokenizer, **options)
 
     def __len__(self) -> int:
         return len(self._items)

@@ -8,14 +8,13 @@ config key, and the fix. Nothing here imports torch.
 from __future__ import annotations
 
 import bisect
-import difflib
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from verl_core.errors import DataError
+from verl_core.errors import DataError, close_match, did_you_mean
 
 #: File suffixes read as JSON Lines (one JSON object per line, blank lines skipped).
 JSONL_SUFFIXES: tuple[str, ...] = (".jsonl", ".jsonlines", ".ndjson")
@@ -176,13 +175,9 @@ def column_value(
         return row[column]
     columns = [str(name) for name in row]
     listed = ", ".join(f"'{name}'" for name in columns) or "none"
-    match = difflib.get_close_matches(column, columns, n=1, cutoff=0.6)
-    advice = (
-        f"did you mean '{match[0]}'? Set {config_key}={match[0]}"
-        if match
-        else f"set {config_key} to the column that holds it"
-    )
+    match = close_match(column, columns)
+    advice = f"set {config_key}={match}" if match else f"set {config_key} to the column that holds it"
     raise DataError(
-        f"{row_location(rows, index, config_path)} has no column '{column}' ({config_key}); its columns: "
-        f"{listed}; {advice}"
+        f"{row_location(rows, index, config_path)} has no column '{column}' ({config_key})"
+        f"{did_you_mean(column, columns)}; its columns: {listed}; {advice}"
     )

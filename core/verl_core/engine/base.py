@@ -24,7 +24,9 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_core.config.engine import EngineConfig
-from verl_core.data.batch import COMPUTE_ENTROPY, TEMPERATURE
+from verl_core.data import batch as batch_keys
+from verl_core.deprecation import moved_names
+from verl_core.descriptors import ModelRole
 from verl_core.engine.device import resolve_device
 from verl_core.errors import ConfigError
 
@@ -45,7 +47,7 @@ def forward_options(batch: TensorDict) -> tuple[float, bool]:
         value = batch.get_non_tensor(key, default)
         return value.item() if isinstance(value, torch.Tensor) else value
 
-    return float(read(TEMPERATURE, 1.0)), bool(read(COMPUTE_ENTROPY, False))
+    return float(read(batch_keys.TEMPERATURE, 1.0)), bool(read(batch_keys.COMPUTE_ENTROPY, False))
 
 
 @attrs.define
@@ -76,8 +78,11 @@ class BaseEngine(abc.ABC):
     #: its defaults. ``self.options`` holds the resolved instance.
     options_class: ClassVar[type | None] = None
 
-    def __init__(self, config: EngineConfig, role: str = "lm", *, config_path: str = "engine"):
-        self.role = role
+    def __init__(
+        self, config: EngineConfig, role: ModelRole | str = ModelRole.LM, *, config_path: str = "engine"
+    ):
+        #: What the model computes (a ``ModelRole``: ``lm`` or ``value``).
+        self.role = ModelRole(role)
         self.config_path = config_path
         self.config = config
         self.options = self._resolve_options(config.options)
@@ -252,3 +257,12 @@ class BaseEngine(abc.ABC):
     def is_output_rank(self) -> bool:
         """Whether this rank holds model outputs (all DP ranks do; with TP/PP only some)."""
         return True
+
+
+# First defined here; their home is the batch vocabulary (its keys are not the engine's own names).
+__getattr__ = moved_names(
+    __name__,
+    {name: f"verl_core.data:{name}" for name in ("TEMPERATURE", "COMPUTE_ENTROPY")},
+    since="0.2.0",
+    removed_in="0.4.0",
+)

@@ -1,4 +1,4 @@
-"""Which device an engine computes on."""
+"""Which device an engine computes on (moving a model there is the toolkit's ``offload``)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from verl_core.deprecation import moved_names
 from verl_core.errors import ConfigError
 
 
@@ -36,19 +37,6 @@ def resolve_device(name: str, where: str = "engine.device") -> torch.device:
     return device
 
 
-def move_module(
-    module: torch.nn.Module, device: torch.device | str, parameters: bool = True, gradients: bool = True
-) -> None:
-    """Move a replicated module's parameters and buffers and/or gradients to ``device``, in place.
-
-    Swapping ``.data`` keeps every ``Parameter`` object, so the optimiser and wrappers holding them
-    (DDP) stay valid: this is how an engine offloads to and reloads from CPU.
-    """
-    device = torch.device(device)
-    if parameters:
-        for tensor in [*module.parameters(), *module.buffers()]:
-            tensor.data = tensor.data.to(device)
-    if gradients:
-        for parameter in module.parameters():
-            if parameter.grad is not None:
-                parameter.grad.data = parameter.grad.data.to(device)
+__getattr__ = moved_names(
+    __name__, {"move_module": "verl_core.toolkit:move_module"}, since="0.2.0", removed_in="0.4.0"
+)

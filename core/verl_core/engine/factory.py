@@ -7,39 +7,46 @@ import warnings
 from typing import TYPE_CHECKING
 
 from verl_core.config.engine import EngineConfig
-from verl_core.deprecation import VerlCoreDeprecationWarning, declare, moved_names
+from verl_core.deprecation import declare, moved_names
+from verl_core.descriptors import ModelRole
 from verl_core.engine.base import BaseEngine
 from verl_core.engine.device import device_type
 from verl_core.errors import ConfigError, PluginValidationError
-from verl_core.hookspecs import ENGINE_BACKENDS
+from verl_core.hookspecs import Kind
 
 if TYPE_CHECKING:
     from verl_core.plugins import Registry
 
 
 def build_engine(
-    config: EngineConfig, role: str = "lm", registry: Registry | None = None, *, config_path: str = "engine"
+    config: EngineConfig,
+    role: ModelRole | str = ModelRole.LM,
+    registry: Registry | None = None,
+    *,
+    config_path: str = "engine",
 ) -> BaseEngine:
-    """The engine ``config.backend`` names, for ``role`` (``lm`` or ``value``), not yet initialised.
+    """The engine ``config.backend`` names, for ``role`` (a ``ModelRole``: ``lm`` or ``value``), not yet
+    initialised.
 
     ``registry`` defaults to the process-wide one (installed plugins). ``config.options`` must be an
     instance of the backend's config class, or ``None`` for its defaults (the engine checks it).
     ``config_path`` is where ``config`` sits in the run config (``actor.engine``), for errors. Call
     ``initialize()`` on the result before using it.
     """
-    if registry is None:
-        from verl_core.plugins import get_registry
+    from verl_core.plugins.registry import registry_or_installed
 
-        registry = get_registry()
-    entry = registry.entry(ENGINE_BACKENDS, config.backend, where=f"{config_path}.backend")
+    registry = registry_or_installed(registry)
+    entry = registry.entry(Kind.ENGINE_BACKENDS, config.backend, where=f"{config_path}.backend")
     backend, provider = entry.descriptor, entry.provider
 
+    role = ModelRole(role)
     if role not in backend.roles:
+        supported = ", ".join(map(str, backend.roles))
         raise ConfigError(
             [
                 (
                     "role",
-                    f"engine backend '{backend.name}' from {provider} supports roles {backend.roles}, not {role!r}",
+                    f"engine backend '{backend.name}' from {provider} supports roles {supported}, not '{role}'",
                 )
             ]
         )
@@ -81,11 +88,13 @@ def lora_refusal(config: EngineConfig, registry: Registry, config_path: str) -> 
     """The ``(key, message)`` refusing ``config``'s LoRA keys when its backend does not declare
     ``EngineBackend(lora=True)``; ``None`` when LoRA is off or the backend trains it. Also the run's
     early checks (``verl_core.trainer.preflight``), so that a refusal comes before any worker starts."""
-    entry = registry.entry(ENGINE_BACKENDS, config.backend, where=f"{config_path}.backend")
+    entry = registry.entry(Kind.ENGINE_BACKENDS, config.backend, where=f"{config_path}.backend")
     if not config.model.lora or entry.descriptor.lora:
         return None
-    key = "lora_rank" if config.model.lora_rank else "lora_adapter_path"
-    trains_lora = sorted(other.name for other in registry.entries(ENGINE_BACKENDS) if other.descriptor.lora)
+    key = config.model.lora_key
+    trains_lora = sorted(
+        other.name for other in registry.entries(Kind.ENGINE_BACKENDS) if other.descriptor.lora
+    )
     return (
         f"{config_path}.model.{key}",
         f"engine backend '{config.backend}' from {entry.provider} does not train LoRA adapters (it does not "
@@ -117,7 +126,7 @@ def _warn_without_config_path(engine_class: type) -> None:
     code = getattr(engine_class.__init__, "__code__", None)
     warnings.warn_explicit(
         f"{engine_class.__module__}.{engine_class.__qualname__}: {ENGINE_INIT_WITHOUT_CONFIG_PATH.message}",
-        VerlCoreDeprecationWarning,
+        ENGINE_INIT_WITHOUT_CONFIG_PATH.category,
         filename=code.co_filename if code else "<unknown>",
         lineno=code.co_firstlineno if code else 0,
         module=engine_class.__module__,
@@ -139,5 +148,5 @@ ENGINE_INIT_WITHOUT_CONFIG_PATH = declare(
 _WARNED_ENGINE_INITS: dict[type, dict] = {}
 
 __getattr__ = moved_names(
-    __name__, {"KIND": "verl_core.hookspecs:ENGINE_BACKENDS"}, since="0.2.0", removed_in="0.4.0"
+    __name__, {"KIND": "verl_core.plugins:Kind.ENGINE_BACKENDS"}, since="0.2.0", removed_in="0.4.0"
 )

@@ -1,176 +1,24 @@
-"""Hugging Face models for engines: load one for a role (the forward pass is ``hf_forward``, the export
-``hf_export``; their names are importable from here too).
+"""Moved to ``verl_core.toolkit`` (the engine toolkit, docs/engine.md) in verl-core 0.2.0: the names
+that were public here still import, each use warning with its new home, until 0.4.0."""
 
-Roles (``verl_core.descriptors.MODEL_ROLES``): ``lm`` is a causal LM whose outputs are per-token
-log-probs of the response (policy, reference); ``value`` is a token-classification model with one
-label, a scalar per token (the critic, as in verl), initialised from the same causal-LM checkpoint.
-"""
-
-from __future__ import annotations
-
-from pathlib import Path
-from typing import TYPE_CHECKING
-
-import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForTokenClassification,
-    PreTrainedModel,
-)
-
-from verl_core.config.engine import ModelConfig
 from verl_core.deprecation import moved_names
-from verl_core.descriptors import MODEL_ROLES
-from verl_core.engine.hf_export import (
-    HF_CONFIG_FILE,
-    TOKENIZER_FILES,
-    export_hf_model,
-    save_hf_model_from_params,
-)
-from verl_core.engine.hf_forward import (
-    ENTROPY,
-    LOG_PROBS,
-    PLAIN_HEAD_MODEL_TYPES,
-    forward_micro_batch,
-    unwrap_hf_model,
-)
-from verl_core.engine.seed import seeded
-from verl_core.engine.varlen import attn_implementation_for
-from verl_core.errors import ConfigError
-
-if TYPE_CHECKING:
-    pass
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def check_model_dir(path: str, where: str = "model.path") -> Path:
-    """``path`` as a local Hugging Face model directory, or a ``ConfigError`` at ``where`` saying what
-    it is instead (missing, a file, a hub id, a folder without ``config.json``) and how to fix it.
-
-    Models load from local folders only: nothing here reaches the network.
-    """
-    directory = Path(path).expanduser()
-    if directory.is_dir():
-        if (directory / HF_CONFIG_FILE).is_file():
-            return directory
-        problem = (
-            f"{path!r} is a folder without {HF_CONFIG_FILE}, so it is not a Hugging Face model: point it at "
-            "the folder that save_pretrained() wrote (the one holding config.json and the weights)"
-        )
-    elif directory.exists():
-        problem = f"{path!r} is a file; give the model's folder (the one holding {HF_CONFIG_FILE})"
-    else:
-        problem = f"{path!r} does not exist (relative paths are relative to {Path.cwd()})"
-        if _looks_like_hub_id(path):
-            problem += (
-                "; if it is a Hugging Face hub id: models load from local folders only (never from the "
-                f"network), so download it first, e.g. `hf download {path} --local-dir "
-                f"models/{path.split('/')[-1]}`, and give that folder"
-            )
-    raise ConfigError([(where, problem)])
-
-
-def _looks_like_hub_id(path: str) -> bool:
-    parts = path.split("/")
-    return len(parts) == 2 and all(parts) and not path.startswith((".", "~"))
-
-
-def load_hf_model(
-    config: ModelConfig,
-    role: str = "lm",
-    seed: int = 0,
-    where: str = "model",
-    packing: bool = False,
-    on_meta: bool = False,
-) -> PreTrainedModel:
-    """Load ``config.path`` (a local folder) for ``role`` on CPU, in ``config.dtype``, in train mode.
-
-    With ``packing`` (the engine runs ``forward_micro_batch(..., packing=True)``) an ``sdpa`` model
-    gets ``verl_core.engine.varlen``'s attention, which keeps packed attention as cheap as padded.
-    With ``on_meta`` only the architecture is built, on the meta device, without reading the weights:
-    for a rank that receives them from another (its buffers are meta tensors too, to be filled).
-
-    Weights the checkpoint lacks (the value head of a critic built from a causal LM) are initialised
-    from ``seed``, identically on every rank. ``where`` is the config path of ``config`` for errors
-    (``actor.engine.model``).
-    """
-    if role not in MODEL_ROLES:
-        raise ValueError(f"role={role!r}: expected one of {MODEL_ROLES}")
-    if config.dtype not in DTYPES:
-        raise ConfigError([(f"{where}.dtype", f"{config.dtype!r}: expected one of {sorted(DTYPES)}")])
-    path = str(check_model_dir(config.path, f"{where}.path"))
-    hf_config = AutoConfig.from_pretrained(
-        path, trust_remote_code=config.trust_remote_code, local_files_only=True
-    )
-    if role == "value":
-        hf_config.num_labels = 1
-        # The head's dropout would make values differ between train and eval passes.
-        hf_config.classifier_dropout = 0.0
-    model_class = AutoModelForCausalLM if role == "lm" else AutoModelForTokenClassification
-    common = {
-        "dtype": DTYPES[config.dtype],
-        "attn_implementation": attn_implementation_for(config.attn_implementation, packing),
-        "trust_remote_code": config.trust_remote_code,
-    }
-    if on_meta:
-        with torch.device("meta"):
-            model = model_class.from_config(hf_config, **common)
-    else:
-        with seeded(seed):
-            model = model_class.from_pretrained(path, config=hf_config, local_files_only=True, **common)
-    if config.gradient_checkpointing:
-        # Non-reentrant checkpointing works under DDP/FSDP; transformers renamed the method in v5.
-        enable = (
-            getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        )
-        enable({"use_reentrant": False})
-    if config.compile_layers:
-        compile_decoder_layers(model, f"{where}.compile_layers")
-    model.train()
-    return model
-
-
-def compile_decoder_layers(model: PreTrainedModel, where: str = "model.compile_layers") -> None:
-    """``torch.compile`` the forward of each decoder layer (the classes of the model's
-    ``_no_split_modules``), in place. Only ``forward`` is compiled, not the module call: the hooks
-    that DDP and FSDP put on the layers keep running eagerly around it."""
-    classes = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [module for module in model.modules() if type(module).__name__ in classes]
-    if not layers:
-        raise ConfigError(
-            [
-                (
-                    where,
-                    f"{type(model).__name__} names no decoder layer classes (_no_split_modules): turn it off",
-                )
-            ]
-        )
-    for layer in layers:
-        layer.forward = torch.compile(layer.forward)
-
-
-__all__ = [
-    "DTYPES",
-    "ENTROPY",
-    "HF_CONFIG_FILE",
-    "LOG_PROBS",
-    "PLAIN_HEAD_MODEL_TYPES",
-    "TOKENIZER_FILES",
-    "check_model_dir",
-    "compile_decoder_layers",
-    "export_hf_model",
-    "forward_micro_batch",
-    "load_hf_model",
-    "save_hf_model_from_params",
-    "unwrap_hf_model",
-]
 
 __getattr__ = moved_names(
     __name__,
-    {"PackedSequences": "verl_core.engine.packing:PackedSequences"},
+    {
+        name: f"verl_core.toolkit:{name}"
+        for name in (
+            "DTYPES",
+            "PLAIN_HEAD_MODEL_TYPES",
+            "PackedSequences",
+            "check_model_dir",
+            "export_hf_model",
+            "forward_micro_batch",
+            "load_hf_model",
+            "save_hf_model_from_params",
+        )
+    }
+    | {"ENTROPY": "verl_core.data:ENTROPY", "LOG_PROBS": "verl_core.data:LOG_PROBS"},
     since="0.2.0",
     removed_in="0.4.0",
 )

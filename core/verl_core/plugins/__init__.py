@@ -1,7 +1,7 @@
 """Plugins: discovery, the registry of what they provide, and the errors that name them.
 
-``get_registry()`` is the process-wide registry of the installed plugins; ``Registry.from_plugins``
-builds one from given plugin modules or objects (tests). Discovery (``discovery``): core's internal
+``get_registry()`` is the process-wide registry of the installed plugins, looked up by ``Kind``;
+``Registry.from_plugins`` builds one from given plugin modules or objects (tests). Discovery (``discovery``): core's internal
 plugin ``verl_core._builtin``, then every entry point of the group ``verl_core.plugins``, then the
 modules named in ``VERL_CORE_PLUGINS``, then plugin objects passed in. The environment switches live
 in ``switches``, the wording of every failure in ``messages``, the rows ``verl-core plugins``
@@ -11,36 +11,17 @@ Nothing here imports torch or a backend; plugin modules are expected to stay lig
 """
 
 from verl_core.deprecation import moved_names
-from verl_core.plugins.discovery import (
-    BUILTIN_MODULE,
-    BUILTIN_PLUGIN,
-    HookKind,
-    PluginInfo,
-    PluginManager,
-    PluginStatus,
-    get_plugin_manager,
-)
-from verl_core.plugins.messages import FIRST_PARTY
+from verl_core.hookspecs import Kind
+from verl_core.plugins.discovery import PluginInfo, PluginStatus
 from verl_core.plugins.registry import Entry, EntryStatus, Registry, get_registry
-from verl_core.plugins.switches import ENV_BLOCK, ENV_DISABLE_AUTOLOAD, ENV_PLUGINS, ENV_TRACE, SWITCHES
 
 __all__ = [
-    "BUILTIN_MODULE",
-    "BUILTIN_PLUGIN",
-    "ENV_BLOCK",
-    "ENV_DISABLE_AUTOLOAD",
-    "ENV_PLUGINS",
-    "ENV_TRACE",
-    "FIRST_PARTY",
-    "SWITCHES",
     "Entry",
     "EntryStatus",
-    "HookKind",
+    "Kind",
     "PluginInfo",
-    "PluginManager",
     "PluginStatus",
     "Registry",
-    "get_plugin_manager",
     "get_registry",
 ]
 

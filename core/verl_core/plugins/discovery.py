@@ -66,8 +66,8 @@ class HookKind:
     descriptor: type
 
     @property
-    def kind(self) -> str:
-        return self.hook.removeprefix(hookspecs.HOOK_PREFIX)
+    def kind(self) -> hookspecs.Kind:
+        return hookspecs.Kind(self.hook.removeprefix(hookspecs.HOOK_PREFIX))
 
     @property
     def label(self) -> str:

@@ -6,18 +6,17 @@ what to do; the registry and discovery only decide *when* to raise or record the
 
 from __future__ import annotations
 
-import difflib
 import importlib.metadata as metadata
-from collections.abc import Iterable
 
 from verl_core import __version__
 from verl_core.descriptors import ENGINE_API_VERSION, MIN_ENGINE_API_VERSION
-from verl_core.hookspecs import ENGINE_BACKENDS, ENTRY_POINT_GROUP
+from verl_core.errors import did_you_mean
+from verl_core.hookspecs import ENTRY_POINT_GROUP, Kind
 from verl_core.plugins.switches import ENV_BLOCK, ENV_DISABLE_AUTOLOAD, ENV_PLUGINS
 
 #: First-party names shipped in separate distributions: kind -> name -> (distribution, pip extra).
 FIRST_PARTY: dict[str, dict[str, tuple[str, str]]] = {
-    ENGINE_BACKENDS: {
+    Kind.ENGINE_BACKENDS: {
         "fsdp": ("verl-fsdp-plugin", "fsdp"),
         "megatron": ("verl-megatron-plugin", "megatron"),
     }
@@ -36,11 +35,6 @@ def provider(plugin: str, distribution: str | None, version: str | None) -> str:
     return f"plugin '{plugin}' ({dist_label(distribution, version)})"
 
 
-def close_match(name: str, candidates: Iterable[str]) -> str | None:
-    matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return matches[0] if matches else None
-
-
 def short_repr(value: object, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -52,9 +46,8 @@ def fix_plugin(distribution: str | None, module: str | None, plugin: str) -> str
 
 
 def not_a_hook(attribute: str, hook: str, hook_names: list[str]) -> str:
-    match = close_match(hook, hook_names)
-    advice = f"did you mean {match}?" if match else f"the hooks are {', '.join(hook_names)}"
-    return f"{attribute}() is not a verl-core hook; {advice}"
+    advice = did_you_mean(hook, hook_names) or f" (the hooks are {', '.join(hook_names)})"
+    return f"{attribute}() is not a verl-core hook{advice}"
 
 
 def conflict(
@@ -130,9 +123,8 @@ def first_party_hint(
 
 
 def unknown_block_entry(name: str, known: list[str]) -> str:
-    match = close_match(name, known)
-    suggestion = f" (did you mean '{match}'?)" if match else ""
     return (
-        f"{ENV_BLOCK} names '{name}', which is no installed plugin, distribution or module{suggestion}; "
+        f"{ENV_BLOCK} names '{name}', which is no installed plugin, distribution or module"
+        f"{did_you_mean(name, known)}; "
         f"the installed plugins are {', '.join(sorted(set(known))) or 'none'}. Fix the name or remove it"
     )

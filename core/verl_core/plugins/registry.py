@@ -1,8 +1,8 @@
 """The registry of everything plugins provide, by kind and name, with who provided it.
 
 Collection calls each hook once per plugin, so that every descriptor is attributed to the plugin and
-distribution that returned it. One generic mechanism serves every kind; the kinds are the hooks of
-``verl_core.hookspecs`` without their ``verl_`` prefix (``verl_core.hookspecs.ENGINE_BACKENDS``, ...).
+distribution that returned it. One generic mechanism serves every kind; the kinds (``Kind``) are the hooks of
+``verl_core.hookspecs`` without their ``verl_`` prefix (``Kind.ENGINE_BACKENDS``, ...).
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ from verl_core.errors import (
     PluginLoadError,
     PluginValidationError,
     UnknownNameError,
+    close_match,
+    did_you_mean,
 )
+from verl_core.hookspecs import Kind
 from verl_core.plugins import messages
 from verl_core.plugins.discovery import (
     HookKind,
@@ -48,7 +51,7 @@ class Entry:
     ``error`` explains a status other than ``ok`` (and is what a lookup raises).
     """
 
-    kind: str
+    kind: Kind
     descriptor: Any
     plugin: str
     distribution: str | None
@@ -112,8 +115,8 @@ class Registry:
         return cls(get_plugin_manager(autoload=autoload, plugins=plugins))
 
     @property
-    def kinds(self) -> list[str]:
-        """``engine_backends``, ``advantage_estimators``, ...: the hooks without ``verl_``."""
+    def kinds(self) -> list[Kind]:
+        """``Kind.ENGINE_BACKENDS``, ...: the hooks without ``verl_``, in the hooks' order."""
         return list(self._kinds)
 
     @property
@@ -121,15 +124,15 @@ class Registry:
         """Every plugin found, in discovery order, with its status."""
         return list(self.plugin_manager.infos)
 
-    def names(self, kind: str) -> list[str]:
+    def names(self, kind: Kind | str) -> list[str]:
         """Sorted names of ``kind`` that some loaded plugin provides (conflicting ones included)."""
         return sorted({entry.name for entry in self._of_kind(kind)})
 
-    def entries(self, kind: str) -> list[Entry]:
+    def entries(self, kind: Kind | str) -> list[Entry]:
         """Every descriptor of ``kind`` with its provider and status, in discovery order."""
         return list(self._of_kind(kind))
 
-    def get(self, kind: str, name: str, *, where: str | None = None) -> Any:
+    def get(self, kind: Kind | str, name: str, *, where: str | None = None) -> Any:
         """The descriptor of ``kind`` named ``name``.
 
         Raises ``UnknownNameError`` (chained to a broken plugin's error, if any), ``DuplicateNameError``,
@@ -138,21 +141,23 @@ class Registry:
         """
         return self.entry(kind, name, where=where).descriptor
 
-    def entry(self, kind: str, name: str, *, where: str | None = None) -> Entry:
+    def entry(self, kind: Kind | str, name: str, *, where: str | None = None) -> Entry:
         """Like ``get``, but the ``Entry``: the descriptor with the plugin that provides it; its
         ``load(field)`` imports what the descriptor names with errors attributed to the plugin."""
         group = [entry for entry in self._of_kind(kind) if entry.name == name]
         if not group:
-            raise self._unknown_name_error(self._kinds[kind], name, where)
+            raise self._unknown_name_error(self._kinds[Kind(kind)], name, where)
         entry = next(entry for entry in group if entry.status != "overridden")
         errors = {"conflict": DuplicateNameError, "incompatible": ApiVersionError, "broken": PluginLoadError}
         if entry.status in errors:
             raise errors[entry.status](entry.error)
         return entry
 
-    def _of_kind(self, kind: str) -> list[Entry]:
+    def _of_kind(self, kind: Kind | str) -> list[Entry]:
         if kind not in self._entries:
-            raise UnknownNameError(f"Unknown registry kind '{kind}'; the kinds are {', '.join(self._kinds)}.")
+            raise UnknownNameError(
+                f"Unknown registry kind '{kind}'; the kinds are {', '.join(self._kinds)} (verl_core.plugins.Kind)."
+            )
         return self._entries[kind]
 
     def _collect(self) -> list[Entry]:
@@ -212,7 +217,8 @@ class Registry:
     def _unknown_name_error(self, kind: HookKind, name: str, where: str | None) -> UnknownNameError:
         installed = self.entries(kind.kind)
         source = f" (from {where})" if where else ""
-        lines = [f"Unknown {kind.label} '{name}'{source}."]
+        candidates = {entry.name for entry in installed} | set(messages.FIRST_PARTY.get(kind.kind, {}))
+        lines = [f"Unknown {kind.label} '{name}'{source}{did_you_mean(name, candidates)}."]
         if installed:
             listed = ", ".join(
                 f"{entry.name} ({messages.dist_label(entry.distribution, entry.version)})"
@@ -224,9 +230,7 @@ class Registry:
         # First-party names count as candidates even when not installed: 'megatorn' -> 'megatron'.
         first_party = messages.FIRST_PARTY.get(kind.kind, {})
         installed_names = {entry.name for entry in installed}
-        match = messages.close_match(name, installed_names | set(first_party))
-        if match and match != name:
-            lines.append(f"Did you mean '{match}'?")
+        match = close_match(name, candidates)
         hinted = name if name in first_party else match
         if hinted in first_party and hinted not in installed_names:
             distribution, extra = first_party[hinted]
@@ -317,3 +321,9 @@ def get_registry(refresh: bool = False) -> Registry:
         if _registry is None or refresh:
             _registry = Registry(get_plugin_manager())
         return _registry
+
+
+def registry_or_installed(registry: Registry | None) -> Registry:
+    """``registry``, or the process-wide one of the installed plugins when ``None``: what every
+    function taking an optional ``registry`` looks names up in."""
+    return registry if registry is not None else get_registry()

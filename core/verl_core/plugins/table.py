@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from verl_core.hookspecs import ENGINE_BACKENDS
+from verl_core.hookspecs import Kind
 from verl_core.plugins.discovery import PluginInfo
 from verl_core.plugins.registry import Entry, Registry
 
@@ -32,7 +32,7 @@ def _problems(registry: Registry, plugin: str) -> list[Entry]:
     return [
         entry
         for kind in registry.kinds
-        if kind != ENGINE_BACKENDS
+        if kind != Kind.ENGINE_BACKENDS
         for entry in registry.entries(kind)
         if entry.plugin == plugin and entry.status not in ("ok", "overridden")
     ]
@@ -53,7 +53,7 @@ def backend_rows(registry: Registry) -> list[dict[str, Any]]:
     with an empty backend, so that every plugin appears. That row's status is the plugin's own, or
     the worst of what it provides besides backends (a policy loss clashing with a built-in shows
     as ``conflict``, not ``ok``)."""
-    backends = registry.entries(ENGINE_BACKENDS)
+    backends = registry.entries(Kind.ENGINE_BACKENDS)
     rows = []
     for info in registry.plugins:
         provided = [entry for entry in backends if entry.plugin == info.name] if info.status == "ok" else []

@@ -8,17 +8,14 @@ the same hook, ``verl_core.reward.catalog``), or ``path/to/file.py:function_name
 that fails. Pure Python, lists in and lists out: nothing here imports torch.
 """
 
-from verl_core.descriptors import is_file_spec
 from verl_core.reward.builtin import digits, exact_match, math_answer
 from verl_core.reward.loading import load_reward_function
-from verl_core.reward.scoring import ON_ERROR, RewardScores, score_responses
+from verl_core.reward.scoring import RewardScores, score_responses
 
 __all__ = [
-    "ON_ERROR",
     "RewardScores",
     "digits",
     "exact_match",
-    "is_file_spec",
     "load_reward_function",
     "math_answer",
     "score_responses",

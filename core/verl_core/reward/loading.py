@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from verl_core.descriptors import is_file_spec
-from verl_core.errors import RewardError
-from verl_core.hookspecs import REWARD_FUNCTIONS
-from verl_core.plugins import Registry, get_registry
-from verl_core.plugins.messages import close_match, short_repr
+from verl_core.errors import RewardError, did_you_mean
+from verl_core.hookspecs import Kind
+from verl_core.plugins.messages import short_repr
+from verl_core.plugins.registry import Registry, registry_or_installed
 
 #: The config key whose value ``load_reward_function`` resolves (for messages).
 CONFIG_KEY = "reward.function"
@@ -56,7 +56,7 @@ def load_reward_function(spec: str, registry: Registry | None = None) -> Callabl
         function, described = _load_from_file(spec, Path(path).expanduser(), function_name)
     else:
         _refuse_malformed(spec)
-        entry = (registry or get_registry()).entry(REWARD_FUNCTIONS, spec, where=CONFIG_KEY)
+        entry = registry_or_installed(registry).entry(Kind.REWARD_FUNCTIONS, spec, where=CONFIG_KEY)
         function, described = entry.load("function"), f"reward function '{spec}' from {entry.provider}"
     _check_signature(spec, function, described)
     return function
@@ -94,14 +94,10 @@ def _load_from_file(spec: str, path: Path, function_name: str) -> tuple[Callable
     module = _import_file(spec, path)
     if not hasattr(module, function_name):
         defined = _defined_callables(module)
-        lines = [
-            f"{CONFIG_KEY}={spec!r}: {path} defines no '{function_name}'. "
+        raise RewardError(
+            f"{CONFIG_KEY}={spec!r}: {path} defines no '{function_name}'{did_you_mean(function_name, defined)}. "
             f"Its functions: {', '.join(defined) or 'none'}."
-        ]
-        match = close_match(function_name, defined)
-        if match:
-            lines.append(f"Did you mean '{match}'?")
-        raise RewardError(" ".join(lines))
+        )
     function = getattr(module, function_name)
     if not callable(function):
         raise RewardError(

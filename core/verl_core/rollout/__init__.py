@@ -6,16 +6,27 @@ decoding loop over a Hugging Face causal LM, options in ``config``) is registere
 Imports are lazy: listing plugins and loading a config import no torch.
 """
 
+from verl_core.deprecation import moved_names
 from verl_core.lazy import lazy_exports
 
 _EXPORTS = {
     "BaseRollout": "verl_core.rollout.base",
-    "RolloutError": "verl_core.rollout.base",
     "SamplingParams": "verl_core.rollout.base",
-    "ROLLOUT_LOG_PROBS": "verl_core.data.batch",
     "HFRollout": "verl_core.rollout.hf",
     "HFRolloutConfig": "verl_core.rollout.config",
 }
 
 __all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    _EXPORTS,
+    moved=moved_names(
+        __name__,
+        {
+            "ROLLOUT_LOG_PROBS": "verl_core.data:ROLLOUT_LOG_PROBS",
+            "RolloutError": "verl_core.errors:RolloutError",
+        },
+        since="0.2.0",
+        removed_in="0.4.0",
+    ),
+)

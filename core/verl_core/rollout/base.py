@@ -18,15 +18,9 @@ import attrs
 import torch
 from tensordict import TensorDict
 
+from verl_core import errors
 from verl_core.config.engine import ModelConfig
-
-# Its home is the batch vocabulary; still importable from here, where it was first defined.
-from verl_core.data.batch import ROLLOUT_LOG_PROBS as ROLLOUT_LOG_PROBS
-from verl_core.errors import VerlCoreError
-
-
-class RolloutError(VerlCoreError):
-    """A rollout cannot generate: weights that do not fit its model, or use before initialisation."""
+from verl_core.deprecation import moved_names
 
 
 @attrs.frozen
@@ -69,7 +63,7 @@ class BaseRollout(abc.ABC):
         cls = self.options_class
         self.options = cls() if options is None and cls is not None else options
         if cls is not None and not isinstance(self.options, cls):
-            raise RolloutError(
+            raise errors.RolloutError(
                 f"{config_path}: expected options of type {cls.__module__}.{cls.__qualname__}, "
                 f"got {type(self.options).__module__}.{type(self.options).__qualname__}"
             )
@@ -91,3 +85,15 @@ class BaseRollout(abc.ABC):
         Returns the batch contract (``input_ids``, ``attention_mask``, ``position_ids``,
         ``responses``, ``response_mask``) and ``rollout_log_probs``, on the CPU, in prompt order.
         """
+
+
+# First defined here; their homes are the batch vocabulary and the errors module.
+__getattr__ = moved_names(
+    __name__,
+    {
+        "ROLLOUT_LOG_PROBS": "verl_core.data:ROLLOUT_LOG_PROBS",
+        "RolloutError": "verl_core.errors:RolloutError",
+    },
+    since="0.2.0",
+    removed_in="0.4.0",
+)

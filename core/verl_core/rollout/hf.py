@@ -23,12 +23,12 @@ from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
 
 from verl_core.data.batch import ROLLOUT_LOG_PROBS, concat_batches, join_prompts_and_responses, left_pad
-from verl_core.engine.hf import DTYPES, check_model_dir
-from verl_core.plugins.messages import close_match
-from verl_core.rollout.base import BaseRollout, RolloutError, SamplingParams
+from verl_core.errors import RolloutError, did_you_mean
+from verl_core.rollout.base import BaseRollout, SamplingParams
 from verl_core.rollout.config import HFRolloutConfig
 from verl_core.rollout.decoder import decoder_for
 from verl_core.rollout.sampling import sample_next
+from verl_core.toolkit.model import DTYPES, check_model_dir
 
 
 class HFRollout(BaseRollout):
@@ -68,10 +68,9 @@ class HFRollout(BaseRollout):
         self._consistent = False  # until every tensor has arrived
         for name, tensor in params:
             if name not in expected:
-                match = close_match(name, expected)
-                hint = f" (did you mean {match!r}?)" if match else ""
                 raise RolloutError(
-                    f"weight update: {name!r} is not a weight of the rollout's model{hint}; the engine must "
+                    f"weight update: {name!r} is not a weight of the rollout's model"
+                    f"{did_you_mean(name, expected)}; the engine must "
                     "export Hugging Face names (get_per_tensor_param)"
                 )
             target = expected[name]

@@ -39,13 +39,9 @@ _EXPORTS = {
     "policy_loss_fn": "verl_core.testing.losses",
     "value_loss_fn": "verl_core.testing.losses",
     "policy_token_loss": "verl_core.testing.losses",
-    "value_token_loss": "verl_core.testing.losses",
     "load_reference_model": "verl_core.testing.reference",
     "reference_outputs": "verl_core.testing.reference",
     "reference_step": "verl_core.testing.reference",
-    "reference_steps": "verl_core.testing.reference",
-    "scheduled_lr": "verl_core.testing.reference",
-    "response_logits": "verl_core.testing.reference",
     "save_rollout_model": "verl_core.testing.rollout_context",
     # running distributed tests
     "spawn": "verl_core.testing.spawn",

@@ -148,7 +148,7 @@ class RankContext:
     ) -> BaseEngine:
         """A fresh, initialised engine of the backend under test, found through the registry.
         ``model``: further ``ModelConfig`` fields (LoRA's)."""
-        from verl_core.engine import build_engine
+        from verl_core.engine.factory import build_engine
 
         config = EngineConfig(
             backend=self.backend,

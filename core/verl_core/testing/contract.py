@@ -108,12 +108,12 @@ class PluginContract:
         )
 
     def test_backends_are_found_through_the_entry_points(self, registry: Any) -> None:
-        from verl_core.hookspecs import ENGINE_BACKENDS
+        from verl_core.hookspecs import Kind
         from verl_core.plugins.discovery import same_distribution
 
         provided = sorted(
             entry.name
-            for entry in registry.entries(ENGINE_BACKENDS)
+            for entry in registry.entries(Kind.ENGINE_BACKENDS)
             if entry.distribution and same_distribution(entry.distribution, self.distribution)
         )
         assert provided == sorted(self.options_examples), (
@@ -121,7 +121,7 @@ class PluginContract:
             f"{sorted(self.options_examples)} (list each in options_examples)"
         )
         for name in self.options_examples:
-            entry = registry.entry(ENGINE_BACKENDS, name)
+            entry = registry.entry(Kind.ENGINE_BACKENDS, name)
             assert entry.plugin in self.entry_points and entry.status == "ok", entry
             assert entry.version == metadata.version(self.distribution)
 
@@ -133,7 +133,7 @@ class PluginContract:
         the options classes imported; ``deprecated``, every use of deprecated verl-core API (file, line,
         message) while importing the plugins, calling their hooks, and importing and building each
         engine (not initialised: no model is read)."""
-        from verl_core.plugins import ENV_DISABLE_AUTOLOAD, ENV_PLUGINS
+        from verl_core.plugins.switches import ENV_DISABLE_AUTOLOAD, ENV_PLUGINS
 
         env = {name: value for name, value in os.environ.items() if not name.startswith("VERL_CORE_")}
         env |= {ENV_DISABLE_AUTOLOAD: "1", ENV_PLUGINS: ",".join(cls.entry_points.values())}
@@ -170,11 +170,11 @@ class PluginContract:
 
     def test_descriptors_are_valid(self, registry: Any) -> None:
         from verl_core.descriptors import ENGINE_API_VERSION, MIN_ENGINE_API_VERSION
-        from verl_core.engine import BaseEngine
-        from verl_core.hookspecs import ENGINE_BACKENDS
+        from verl_core.engine.base import BaseEngine
+        from verl_core.hookspecs import Kind
 
         for name in self.options_examples:
-            entry = registry.entry(ENGINE_BACKENDS, name)
+            entry = registry.entry(Kind.ENGINE_BACKENDS, name)
             descriptor = entry.descriptor
             assert MIN_ENGINE_API_VERSION <= descriptor.api_version <= ENGINE_API_VERSION, descriptor
             assert descriptor.description, f"backend {name!r}: give the EngineBackend a description"
@@ -209,7 +209,7 @@ class PluginContract:
         self, registry: Any, tmp_path_factory: Any
     ) -> None:
         from verl_core.config import EngineConfig, ModelConfig
-        from verl_core.engine import build_engine
+        from verl_core.engine.factory import build_engine
         from verl_core.testing.tiny import collate, make_samples, save_tiny_models
 
         model = save_tiny_models(tmp_path_factory.mktemp("contract")).lm

@@ -16,7 +16,7 @@ import torch
 
 from verl_core.data.batch import LOG_PROBS
 from verl_core.engine.base import BaseEngine
-from verl_core.hookspecs import ENGINE_BACKENDS
+from verl_core.hookspecs import Kind
 from verl_core.testing import reference
 from verl_core.testing.context import (
     OUTPUT_TOLERANCE,
@@ -40,7 +40,7 @@ RANK_THRESHOLD = 1e-3
 
 
 def check_lora(ctx: RankContext) -> list[Comparison]:
-    descriptor = ctx.registry.entry(ENGINE_BACKENDS, ctx.backend).descriptor
+    descriptor = ctx.registry.entry(Kind.ENGINE_BACKENDS, ctx.backend).descriptor
     if not descriptor.lora:
         raise CheckSkipped(f"backend '{ctx.backend}' does not declare EngineBackend(lora=True)")
     engine = ctx.engine(model=LORA_MODEL)

@@ -317,7 +317,6 @@ class ConformanceReport:
     world_size: int
     outcomes: dict[str, CheckOutcome]
     error: str | None = None
-    wall_time_s: float = 0.0
     kind: Literal["engine", "rollout"] = "engine"
 
     @property

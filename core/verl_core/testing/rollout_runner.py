@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-import time
 import traceback
 import types
 from collections.abc import Mapping, Sequence
@@ -60,7 +59,6 @@ def run_rollout_conformance(
     rollout_class, options = resolve_rollout_backend(backend, options, plugins, autoload, device)
 
     devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
-    started = time.monotonic()
     with (
         tempfile.TemporaryDirectory(prefix="verl-rollout-conformance-") as scratch,
         torch.random.fork_rng(devices=devices),
@@ -75,7 +73,7 @@ def run_rollout_conformance(
         name: CheckOutcome.merge(name, [record for record in records if record.check == name], 1)
         for name in selected
     }
-    return ConformanceReport(backend, 1, outcomes, error, time.monotonic() - started, kind="rollout")
+    return ConformanceReport(backend, 1, outcomes, error, kind="rollout")
 
 
 def resolve_rollout_backend(
@@ -88,12 +86,12 @@ def resolve_rollout_backend(
     """``(rollout class, options instance)`` of ``backend``; raises the registry's or the config's
     error (unknown backend, unknown option key), or ``ValueError`` for a device it does not list."""
     from verl_core.config import structure
-    from verl_core.hookspecs import ROLLOUT_BACKENDS
+    from verl_core.hookspecs import Kind
     from verl_core.plugins import Registry
     from verl_core.rollout.base import BaseRollout
 
     registry = Registry.from_plugins(list(plugins), autoload=autoload)
-    entry = registry.entry(ROLLOUT_BACKENDS, backend, where="rollout conformance backend")
+    entry = registry.entry(Kind.ROLLOUT_BACKENDS, backend, where="rollout conformance backend")
     device_type = device.split(":")[0]
     if device_type not in entry.descriptor.devices:
         raise ValueError(

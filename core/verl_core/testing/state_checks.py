@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from verl_core.data.batch import ENTROPY, LOG_PROBS
 from verl_core.engine.base import BaseEngine
-from verl_core.engine.checkpoint import MARKER_FILE
 from verl_core.testing import reference
 from verl_core.testing.context import (
     LEFT_AFTER_FULL_OFFLOAD,
@@ -32,6 +31,7 @@ from verl_core.testing.losses import TEMPERATURE as KIT_TEMPERATURE
 from verl_core.testing.races import publication_held
 from verl_core.testing.report import BITWISE, Comparison, compare_state_dicts, compare_tensors
 from verl_core.testing.tiny import ModelDirs
+from verl_core.toolkit.checkpoint import MARKER_FILE
 
 
 def check_checkpoint(ctx: RankContext) -> list[Comparison]:
@@ -88,7 +88,7 @@ def check_checkpoint(ctx: RankContext) -> list[Comparison]:
 
 def _foreign_checkpoint(ctx: RankContext) -> Path:
     """An (empty) complete checkpoint that another engine backend wrote."""
-    from verl_core.engine.checkpoint import atomic_checkpoint
+    from verl_core.toolkit.checkpoint import atomic_checkpoint
 
     path = ctx.workdir / "foreign_checkpoint"
     with atomic_checkpoint(path, global_step=2, backend=f"not-{ctx.backend}", group=dist.group.WORLD):
@@ -112,7 +112,7 @@ def _damaged_copy(ctx: RankContext, path: Path) -> Path:
 
 def _refuses(ctx: RankContext, what: str, path: Path, dirs: ModelDirs | None = None) -> Comparison:
     """Loading ``path`` into a fresh engine must raise ``CheckpointError`` naming the checkpoint."""
-    from verl_core.engine.checkpoint import CheckpointError
+    from verl_core.errors import CheckpointError
 
     engine = ctx.engine(optim=SCHEDULE_OPTIM, dirs=dirs)
     quantity = f"loading {what}"

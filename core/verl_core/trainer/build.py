@@ -21,7 +21,7 @@ def load_tokenizer(model: ModelConfig) -> Any:
     folder only; a model without pad token pads with its EOS token."""
     from transformers import AutoTokenizer
 
-    from verl_core.engine.hf import check_model_dir
+    from verl_core.toolkit.model import check_model_dir
 
     path = check_model_dir(model.path, "actor.engine.model.path")
     if not any((path / name).is_file() for name in VOCABULARY_FILES):

@@ -19,15 +19,9 @@ from typing import Any
 
 from verl_core.config.convert import unstructure
 from verl_core.config.run import RunConfig, TrainerConfig
-from verl_core.engine.checkpoint import (
-    MARKER_FILE,
-    CheckpointError,
-    atomic_checkpoint,
-    open_checkpoint,
-    read_checkpoint_info,
-)
-from verl_core.engine.integrity import damaged_files
-from verl_core.errors import ConfigError
+from verl_core.errors import CheckpointError, ConfigError
+from verl_core.toolkit.checkpoint import MARKER_FILE, atomic_checkpoint, open_checkpoint, read_checkpoint_info
+from verl_core.toolkit.integrity import damaged_files
 from verl_core.trainer import console
 
 #: The name of step N's checkpoint folder in ``trainer.checkpoint_dir``.

@@ -19,8 +19,8 @@ from typing import Any
 from verl_core.config.loading import fill_total_steps
 from verl_core.config.run import RunConfig
 from verl_core.data.sampler import EpochSampler
-from verl_core.engine.checkpoint import read_checkpoint_info
 from verl_core.errors import NothingToTrain
+from verl_core.toolkit.checkpoint import read_checkpoint_info
 from verl_core.trainer import checkpoints, console
 from verl_core.trainer.metrics import MetricsLogger
 from verl_core.trainer.run_files import METRICS_FILE, read_records

@@ -22,9 +22,8 @@ from verl_core.config.engine import EngineConfig, ModelConfig
 from verl_core.config.run import RunConfig
 from verl_core.config.validators import each_rule
 from verl_core.data.files import read_file
-from verl_core.engine.checkpoint import CheckpointError
-from verl_core.engine.integrity import file_problem
-from verl_core.errors import ConfigError, DataError, VerlCoreError
+from verl_core.errors import CheckpointError, ConfigError, DataError, VerlCoreError
+from verl_core.toolkit.integrity import file_problem
 from verl_core.trainer import checkpoints
 
 #: Which trainer a config is for: ``verl-core train`` (``rl``) or ``verl-core sft``.
@@ -134,7 +133,7 @@ def _adapters(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]
                 yield refusal
             yield from _target_modules(engine.model, f"{where}.model")
         if engine.model.lora_adapter_path is not None:
-            from verl_core.engine.lora import check_adapter_dir
+            from verl_core.toolkit.lora import check_adapter_dir
 
             try:
                 check_adapter_dir(engine.model.lora_adapter_path, f"{where}.model.lora_adapter_path")
@@ -145,12 +144,12 @@ def _adapters(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]
 def _target_modules(model: ModelConfig, where: str) -> Iterator[tuple[str, str]]:
     """``model.target_modules`` against the layers of the model's architecture, built on the meta
     device from its config.json (no weights read); ``all-linear`` fits every model."""
-    from verl_core.engine.lora import ALL_LINEAR
+    from verl_core.toolkit.lora import ALL_LINEAR
 
     if model.target_modules == ALL_LINEAR or model.lora_adapter_path is not None:
         return  # a loaded adapter brings its own target modules
-    from verl_core.engine.hf import load_hf_model
-    from verl_core.engine.lora import check_target_modules
+    from verl_core.toolkit.lora import check_target_modules
+    from verl_core.toolkit.model import load_hf_model
 
     try:
         skeleton = load_hf_model(model, where=where, on_meta=True)
@@ -163,7 +162,8 @@ def _target_modules(model: ModelConfig, where: str) -> Iterator[tuple[str, str]]
 
 
 def _models(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]:
-    from verl_core.engine.hf import HF_CONFIG_FILE, check_model_dir
+    from verl_core.toolkit.export import HF_CONFIG_FILE
+    from verl_core.toolkit.model import check_model_dir
 
     tokenizer_size = None
     for key, path in _model_paths(config).items():

@@ -25,7 +25,7 @@ from verl_core.agents.session import build_agent_loop, run_conversations, turns
 from verl_core.algos.kl import apply_kl_penalty, build_kl_controller
 from verl_core.algos.policy_loss import rollout_log_prob_mismatch
 from verl_core.algos.registry import get_advantage_estimator
-from verl_core.config.run import RunConfig
+from verl_core.config.run import OldLogProbsSource, RunConfig
 from verl_core.data.batch import (
     ADVANTAGES,
     ATTENTION_MASK,
@@ -285,7 +285,7 @@ class RLTrainer(Trainer):
     def recompute_old_log_probs(self) -> bool:
         """Whether the training engine recomputes the old log-probs before the update
         (``RunConfig.old_log_probs_source`` says when and why)."""
-        return self.config.old_log_probs_source(self.num_mini_batches) == "engine"
+        return self.config.old_log_probs_source(self.num_mini_batches) is OldLogProbsSource.ENGINE
 
     def generate(
         self, rows: list[PromptRow], sampling: SamplingParams, seed: int, n: int | None = None

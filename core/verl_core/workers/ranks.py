@@ -18,11 +18,12 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from verl_core.algos.actor_loss import compute_actor_loss
 from verl_core.algos.aggregation import TOKEN_MEAN, agg_loss
-from verl_core.algos.policy_loss import compute_actor_loss, rollout_log_prob_mismatch
+from verl_core.algos.policy_loss import rollout_log_prob_mismatch
 from verl_core.algos.registry import get_policy_loss
 from verl_core.algos.value_loss import compute_value_loss
-from verl_core.config.run import RunConfig
+from verl_core.config.run import OldLogProbsSource, RunConfig
 from verl_core.data.batch import (
     ADVANTAGES,
     COMPUTE_ENTROPY,
@@ -38,9 +39,11 @@ from verl_core.data.batch import (
     get_global_counts,
     select_rows,
 )
-from verl_core.engine import BaseEngine, LossFn, build_engine
+from verl_core.descriptors import ModelRole
+from verl_core.engine.base import BaseEngine, LossFn
+from verl_core.engine.factory import build_engine
 from verl_core.engine.topology import Topology
-from verl_core.hookspecs import ROLLOUT_BACKENDS
+from verl_core.hookspecs import Kind
 from verl_core.rollout.base import SamplingParams
 
 
@@ -89,21 +92,21 @@ class ActorWorker:
     """One rank of the actor role. ``registry`` resolves backends (default: the installed plugins)."""
 
     def __init__(self, config: RunConfig, registry: Any = None):
-        from verl_core.plugins import get_registry
+        from verl_core.plugins.registry import registry_or_installed
 
-        registry = registry or get_registry()
+        registry = registry_or_installed(registry)
         self.config = config
         # Resolved once, in this worker's registry (an in-process run may pass its own).
         self.policy_loss = get_policy_loss(config.actor.policy_loss.loss_mode, registry)
-        self.policy = build_engine(config.actor.engine, "lm", registry, config_path="actor.engine")
+        self.policy = build_engine(config.actor.engine, ModelRole.LM, registry, config_path="actor.engine")
         # The reference never steps: it exists only when a KL term reads its log-probs, and is the
         # policy's own engine when that serves it (LoRA: the adapter disabled), unless ref.engine is set.
         self.ref = None
         self.ref_in_policy = config.uses_kl and config.ref.engine is None and self.policy.serves_reference
         if config.uses_kl and not self.ref_in_policy:
             ref_path = "ref.engine" if config.ref.engine is not None else "actor.engine"
-            self.ref = build_engine(config.ref_engine, "lm", registry, config_path=ref_path)
-        entry = registry.entry(ROLLOUT_BACKENDS, config.rollout.backend, where="rollout.backend")
+            self.ref = build_engine(config.ref_engine, ModelRole.LM, registry, config_path=ref_path)
+        entry = registry.entry(Kind.ROLLOUT_BACKENDS, config.rollout.backend, where="rollout.backend")
         self.rollout = entry.load("rollout")(
             config.rollout_model,
             config.rollout.options,
@@ -170,7 +173,7 @@ class ActorWorker:
         batch = batch.copy()
         batch.set_non_tensor(TEMPERATURE, self.config.rollout.temperature)
         batch.set_non_tensor(COMPUTE_ENTROPY, policy_config.entropy_coeff != 0)
-        in_update = self.config.old_log_probs_source(num_mini_batches) == "update"
+        in_update = self.config.old_log_probs_source(num_mini_batches) is OldLogProbsSource.UPDATE
 
         def loss_fn(
             output: dict[str, torch.Tensor], micro_batch: TensorDict, dp_group: Any
@@ -221,11 +224,9 @@ class CriticWorker:
     """One rank of the critic role: a value engine."""
 
     def __init__(self, config: RunConfig, registry: Any = None):
-        from verl_core.plugins import get_registry
-
         self.config = config
         self.engine = build_engine(
-            config.critic.engine, "value", registry or get_registry(), config_path="critic.engine"
+            config.critic.engine, ModelRole.VALUE, registry, config_path="critic.engine"
         )
 
     def initialize(self) -> Topology:
@@ -288,12 +289,8 @@ class SFTWorker:
     """One rank of the SFT role. ``registry`` resolves backends (default: the installed plugins)."""
 
     def __init__(self, config: RunConfig, registry: Any = None):
-        from verl_core.plugins import get_registry
-
         self.config = config
-        self.policy = build_engine(
-            config.actor.engine, "lm", registry or get_registry(), config_path="actor.engine"
-        )
+        self.policy = build_engine(config.actor.engine, ModelRole.LM, registry, config_path="actor.engine")
 
     def initialize(self) -> Topology:
         self.policy.initialize()

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 from verl_core.config import EngineConfig, ModelConfig, OptimConfig
-from verl_core.engine import COMPUTE_ENTROPY, build_engine
+from verl_core.data import COMPUTE_ENTROPY
+from verl_core.engine import build_engine
 from verl_core.testing import EngineConformance
 from verl_core.testing.losses import policy_loss_fn
 from verl_core.testing.tiny import collate, make_samples, save_tiny_models

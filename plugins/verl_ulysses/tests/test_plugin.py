@@ -48,7 +48,7 @@ def test_option_errors_name_their_full_path(registry) -> None:
     with pytest.raises(ConfigError) as caught:
         structure(data, EngineConfig, "actor.engine", registry=registry)
     errors = dict(caught.value.errors)
-    assert errors["actor.engine.ulysses.sp_sise"] == "unknown key (did you mean sp_size?)"
+    assert errors["actor.engine.ulysses.sp_sise"] == "unknown key (did you mean 'sp_size'?)"
     assert "must be" in errors["actor.engine.ulysses.dp_replicate_size"]
 
 

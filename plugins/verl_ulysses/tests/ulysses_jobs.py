@@ -23,7 +23,8 @@ import torch
 from tensordict import TensorDict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from verl_core.config import EngineConfig, MicroBatchConfig, ModelConfig, OptimConfig
-from verl_core.engine import COMPUTE_ENTROPY, TEMPERATURE, build_engine, load_hf_model, pack_sequences
+from verl_core.data import COMPUTE_ENTROPY, TEMPERATURE
+from verl_core.engine import build_engine
 from verl_core.plugins import Registry
 from verl_core.testing import (
     ModelDirs,
@@ -46,6 +47,7 @@ from verl_core.testing import (
 # Not ``from verl_core.testing import spawn``: once ``verl_core.testing.spawn`` (the module) is imported,
 # the package attribute of that name is the module, not the function.
 from verl_core.testing.spawn import spawn
+from verl_core.toolkit import load_hf_model, pack_sequences
 
 from verl_ulysses import loading, ulysses
 from verl_ulysses.config import UlyssesConfig

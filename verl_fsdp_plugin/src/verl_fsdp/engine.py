@@ -5,8 +5,8 @@ unit (a decoder layer, then the root) gathers its parameters for its forward and
 reduce-scatters its gradients. Everything a Hugging Face engine shares comes from verl-core's
 ``HFEngine``; what is FSDP-specific: the layout (``verl_fsdp.sharding``), skipping gradient sync
 between micro-batches, resharding after inference and recovering from a failed step, gathering full
-tensors one at a time for exports, and sharded ``torch.distributed.checkpoint`` (DCP) checkpoints that
-load at any world size.
+tensors one at a time for exports. Checkpoints are the toolkit's ``DistributedCheckpoint``: sharded
+``torch.distributed.checkpoint`` (DCP) directories that load at any world size.
 
 With nothing to shard across (no process group, or a group of one rank) the engine runs the plain
 model: FSDP's hooks and gather copies would only cost time (1.10x a plain loop on one rank). An
@@ -20,32 +20,12 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.distributed.checkpoint as dcp
 from tensordict import TensorDict
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
-from verl_core.config.engine import EngineConfig
-from verl_core.engine import (
-    ForwardBackwardResult,
-    HFEngine,
-    LossFn,
-    atomic_checkpoint,
-    load_checkpoint_file,
-    load_hf_model,
-    load_rng_state,
-    move_module,
-    move_optimizer_state,
-    open_checkpoint,
-    reading_checkpoint,
-    save_rng_state,
-)
+from verl_core.config import EngineConfig
+from verl_core.engine import ForwardBackwardResult, LossFn
 from verl_core.errors import ConfigError
+from verl_core.toolkit import DistributedCheckpoint, HFEngine, load_hf_model, move_module
 from verl_fsdp.config import FSDPConfig
 from verl_fsdp.loading import full_state, load_from_rank0
 from verl_fsdp.sharding import (
@@ -58,17 +38,13 @@ from verl_fsdp.sharding import (
 )
 
 BACKEND = "fsdp"
-#: Checkpoint layout (inside the directory ``atomic_checkpoint`` publishes): two DCP directories,
-#: each holding one file per saving rank plus ``.metadata``, readable at any world size.
-MODEL_DIR = "model"
-OPTIMIZER_DIR = "optimizer"  # absent when saved before the first optimiser step
-LR_SCHEDULER_FILE = "lr_scheduler.pt"
 
 
 class FSDPEngine(HFEngine):
     """Fully sharded data parallelism over the DP group (gloo on CPU, NCCL on GPU)."""
 
     options_class = FSDPConfig
+    checkpoint_format = DistributedCheckpoint(BACKEND)
 
     def __init__(self, config: EngineConfig, role: str = "lm", *, config_path: str = "engine"):
         super().__init__(config, role, config_path=config_path)
@@ -182,51 +158,6 @@ class FSDPEngine(HFEngine):
             for unit in fsdp_units(self.model):
                 unit.reshard()
 
-    # -- checkpoints -----------------------------------------------------------------------------
-
-    def save_checkpoint(self, path: str, global_step: int = 0) -> None:
-        model = self._initialized()
-        with atomic_checkpoint(
-            path, global_step=global_step, backend=BACKEND, group=self.dp_group
-        ) as staging:
-            model_state = self.checkpointed_state(get_model_state_dict(model))  # LoRA: the adapter only
-            dcp.save(model_state, checkpoint_id=staging / MODEL_DIR, **self._dcp_group())
-            # Before the first step the state is empty, and torch would fill it with a zero step
-            # just to save it, changing the next real step's bias correction.
-            if self.optimizer.state:
-                dcp.save(
-                    get_optimizer_state_dict(model, self.optimizer),
-                    checkpoint_id=staging / OPTIMIZER_DIR,
-                    **self._dcp_group(),
-                )
-            if self.dp_rank == 0:  # identical on every rank
-                torch.save(self.lr_scheduler.state_dict(), staging / LR_SCHEDULER_FILE)
-            save_rng_state(staging, self.dp_rank)
-
-    def load_checkpoint(self, path: str) -> int:
-        """Restore a checkpoint saved at any world size: DCP reshards to this engine's layout."""
-        model = self._initialized()
-        directory, info = open_checkpoint(path, backend=BACKEND)
-        with reading_checkpoint(directory, self.config.model.path):
-            model_state = self.checkpointed_state(get_model_state_dict(model))
-            dcp.load(model_state, checkpoint_id=directory / MODEL_DIR, **self._dcp_group())
-            # With LoRA the base weights are not in the checkpoint: they stay as loaded.
-            set_model_state_dict(
-                model, model_state, options=StateDictOptions(strict=not self.config.model.lora)
-            )
-            if (directory / OPTIMIZER_DIR).is_dir():
-                # The template gets its state from a zero step with lr 0; the load replaces all of it.
-                optimizer_state = get_optimizer_state_dict(model, self.optimizer)
-                dcp.load(optimizer_state, checkpoint_id=directory / OPTIMIZER_DIR, **self._dcp_group())
-                set_optimizer_state_dict(model, self.optimizer, optimizer_state)
-                # Loading puts the state next to the parameters; keep it where it was (offloaded or not).
-                move_optimizer_state(self.optimizer, self.optimizer_device)
-            else:  # saved before the first step: so is this engine now
-                self.optimizer.state.clear()
-        self.lr_scheduler.load_state_dict(load_checkpoint_file(directory, LR_SCHEDULER_FILE))
-        load_rng_state(directory, self.dp_rank)
-        return info.global_step
-
     # -- helpers ---------------------------------------------------------------------------------
 
     @property
@@ -238,10 +169,6 @@ class FSDPEngine(HFEngine):
     def _options_path(self) -> str:
         """Where the options sit in a run config: ``actor.engine.fsdp``."""
         return f"{self.config_path}.{BACKEND}"
-
-    def _dcp_group(self) -> dict[str, object]:
-        """DCP's collectives run over the DP group; an unsharded engine saves alone."""
-        return {"process_group": self.dp_group, "no_dist": not self.sharded}
 
     def _options_that_need_fsdp(self) -> list[str]:
         requested = {

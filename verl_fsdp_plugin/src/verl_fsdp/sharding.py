@@ -21,8 +21,8 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from verl_core.engine.hf import DTYPES
 from verl_core.errors import ConfigError
+from verl_core.toolkit import DTYPES
 from verl_fsdp.config import FSDPConfig
 
 #: Where errors about the options point in a config, unless the engine says where its options sit.

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_core.engine import (
+from verl_core.toolkit import (
+    RNG_FILE,
     atomic_checkpoint,
     load_checkpoint_file,
     move_optimizer_state,
@@ -23,7 +24,6 @@ from verl_core.engine import (
     rng_state,
     set_rng_state,
 )
-from verl_core.engine.seed import RNG_FILE
 from verl_megatron.offload import inner_optimizers
 
 BACKEND = "megatron"

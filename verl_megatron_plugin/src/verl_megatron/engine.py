@@ -42,18 +42,10 @@ from verl_core.data.batch import (
     compute_global_counts,
 )
 from verl_core.data.microbatch import split_micro_batches
-from verl_core.engine import (
-    BaseEngine,
-    ForwardBackwardResult,
-    LossFn,
-    all_reduce_sum,
-    forward_options,
-    load_hf_model,
-    log_probs_and_entropy,
-    lr_multiplier,
-    validate_optim_config,
-)
+from verl_core.distributed import all_reduce_sum
+from verl_core.engine import BaseEngine, ForwardBackwardResult, LossFn, forward_options
 from verl_core.errors import ConfigError
+from verl_core.toolkit import load_hf_model, log_probs_and_entropy, lr_multiplier, validate_optim_config
 from verl_megatron.checkpoints import BACKEND, Checkpoints
 from verl_megatron.config import MegatronConfig, check_layout
 from verl_megatron.hf_config import megatron_model_config

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_core.engine import move_optimizer_state
+from verl_core.toolkit import move_optimizer_state
 
 
 class Offload:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_core.engine import save_hf_model_from_params
+from verl_core.toolkit import save_hf_model_from_params
 from verl_megatron.weights import TensorMap
 
 #: A local decoder-layer index in a chunk's parameter names.

@@ -1,14 +1,14 @@
 """``DDPEngine``: one full replica of a Hugging Face model per rank, gradients all-reduced by DDP.
 
-The worked example of docs/engine.md. Built only from verl-core's public engine toolkit:
-``HFEngine`` (``verl_core.engine``) loads and runs the model, builds AdamW and the LR schedule,
-offloads, exports weights and writes the Hugging Face export; what is DDP-specific is small:
+The worked example of docs/engine.md. Built only from verl-core's public engine toolkit
+(``verl_core.toolkit``): ``HFEngine`` loads and runs the model, builds AdamW and the LR schedule,
+offloads, exports weights, writes the Hugging Face export and trains LoRA adapters; what is
+DDP-specific is small:
 
 - ``wrap_model``: ``DistributedDataParallel`` at world size > 1 (it broadcasts rank 0's weights);
 - ``no_sync``: DDP's ``no_sync`` between micro-batches, so gradients are all-reduced once a step;
-- checkpoints: replicas are identical, so rank 0 writes the model (with LoRA the adapter only:
-  ``checkpointed_state``), optimiser and schedule with ``torch.save`` into the directory
-  ``atomic_checkpoint`` publishes, and every rank its RNG state.
+- checkpoints: replicas are identical, so the toolkit's ``ReplicatedCheckpoint`` fits: rank 0 writes
+  the model (with LoRA the adapter only), optimiser and schedule, every rank its RNG state.
 """
 
 from __future__ import annotations
@@ -18,23 +18,11 @@ import inspect
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from verl_core.engine import (
-    HFEngine,
-    atomic_checkpoint,
-    load_checkpoint_file,
-    load_model_state,
-    load_rng_state,
-    move_optimizer_state,
-    open_checkpoint,
-    save_rng_state,
-)
+from verl_core.toolkit import HFEngine, ReplicatedCheckpoint
 
 from verl_ddp.config import DDPConfig
 
 BACKEND = "ddp"
-MODEL_FILE = "model.pt"
-OPTIMIZER_FILE = "optimizer.pt"
-LR_SCHEDULER_FILE = "lr_scheduler.pt"
 
 
 class DDPEngine(HFEngine):
@@ -42,6 +30,7 @@ class DDPEngine(HFEngine):
     initialised with more than one rank (gloo on CPU, NCCL on GPU), the plain model otherwise."""
 
     options_class = DDPConfig
+    checkpoint_format = ReplicatedCheckpoint(BACKEND)
 
     def wrap_model(self, module: torch.nn.Module) -> torch.nn.Module:
         module.to(self.device)
@@ -64,35 +53,6 @@ class DDPEngine(HFEngine):
         if isinstance(self.model, DistributedDataParallel):
             return self.model.no_sync()
         return contextlib.nullcontext()
-
-    # -- checkpoints -----------------------------------------------------------------------------
-
-    def save_checkpoint(self, path: str, global_step: int = 0) -> None:
-        module = self._initialized()
-        with atomic_checkpoint(
-            path, global_step=global_step, backend=BACKEND, group=self.dp_group
-        ) as staging:
-            if self.dp_rank == 0:  # replicas are identical: one copy of the state suffices
-                torch.save(self.checkpointed_state(module.state_dict()), staging / MODEL_FILE)
-                torch.save(self.optimizer.state_dict(), staging / OPTIMIZER_FILE)
-                torch.save(self.lr_scheduler.state_dict(), staging / LR_SCHEDULER_FILE)
-            save_rng_state(staging, self.dp_rank)
-
-    def load_checkpoint(self, path: str) -> int:
-        module = self._initialized()
-        directory, info = open_checkpoint(path, backend=BACKEND)
-        load_model_state(
-            module,
-            load_checkpoint_file(directory, MODEL_FILE),
-            directory,
-            self.config.model.path,
-            only=self.checkpointed_state(module.state_dict()).keys() if self.config.model.lora else None,
-        )
-        self.optimizer.load_state_dict(load_checkpoint_file(directory, OPTIMIZER_FILE))
-        move_optimizer_state(self.optimizer, self.optimizer_device)  # loading moves state to the params
-        self.lr_scheduler.load_state_dict(load_checkpoint_file(directory, LR_SCHEDULER_FILE))
-        load_rng_state(directory, self.dp_rank)
-        return info.global_step
 
 
 def _buffer_sync(enabled: bool) -> dict[str, bool]:

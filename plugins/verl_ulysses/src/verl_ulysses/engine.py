@@ -15,8 +15,10 @@ Built on verl-core's ``HFEngine`` like the DDP template; what it overrides:
 - the topology: ``dp_group`` is the ranks of this SP rank across DP ranks (it excludes the other SP
   ranks), ``is_output_rank`` is SP rank 0;
 - ``no_sync``, ``move_model``, ``full_tensor``: FSDP2's gradient sync switch, moving shards, gathering;
-- ``save_checkpoint`` / ``load_checkpoint``: DCP, loadable at another ``(dp, sp)`` layout;
-  ``save_hf_model``: one writer for the job, a barrier over the world (not over ``dp_group``).
+- ``state_group``: every rank of the job (the state is sharded over ``dp_shard x sp``), so the
+  toolkit's ``DistributedCheckpoint`` checkpoints (DCP, loadable at another ``(dp, sp)`` layout) and
+  the Hugging Face export (one writer for the job) are collectives over the world, not ``dp_group``;
+- LoRA comes from the toolkit (``HFEngine``'s adapter), as for any engine built on it.
 
 Without ``torch.distributed`` the engine runs the plain model (``sp_size`` must be 1).
 """
@@ -29,36 +31,21 @@ from collections.abc import Iterator
 import attrs
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from tensordict import TensorDict
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig
 from verl_core.config import EngineConfig
-from verl_core.engine import (
-    ForwardBackwardResult,
-    HFEngine,
-    LossFn,
-    atomic_checkpoint,
-    check_model_dir,
-    load_checkpoint_file,
-    load_hf_model,
-    load_rng_state,
-    move_module,
-    move_optimizer_state,
-    open_checkpoint,
-    reading_checkpoint,
-    run_micro_batches,
-    save_hf_model_from_params,
-    save_rng_state,
-)
+from verl_core.engine import ForwardBackwardResult, LossFn, run_micro_batches
 from verl_core.errors import ConfigError
+from verl_core.toolkit import (
+    DTYPES,
+    DistributedCheckpoint,
+    HFEngine,
+    check_model_dir,
+    load_hf_model,
+    move_module,
+)
 
 from verl_ulysses import ulysses
 from verl_ulysses.config import MeshShape, UlyssesConfig, check_layout
@@ -66,20 +53,13 @@ from verl_ulysses.loading import load_from_rank0
 from verl_ulysses.mesh import ParallelMesh, build_mesh
 
 BACKEND = "ulysses"
-#: Checkpoint layout (inside the directory ``atomic_checkpoint`` publishes, marked complete by its
-#: ``verl_checkpoint.json``): two DCP directories, readable at any layout, the LR schedule, and each
-#: rank's RNG state.
-MODEL_DIR = "model"
-OPTIMIZER_DIR = "optimizer"  # absent when saved before the first optimiser step
-LR_SCHEDULER_FILE = "lr_scheduler.pt"
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class UlyssesEngine(HFEngine):
     """FSDP2 over ``dp_shard x sp`` with Ulysses sequence parallelism (gloo on CPU, NCCL on GPU)."""
 
     options_class = UlyssesConfig
+    checkpoint_format = DistributedCheckpoint(BACKEND)
 
     def __init__(self, config: EngineConfig, role: str = "lm", *, config_path: str = "engine"):
         super().__init__(config, role, config_path=config_path)
@@ -105,12 +85,13 @@ class UlyssesEngine(HFEngine):
         return self.mesh.shape.sp if self.mesh is not None else 1
 
     @property
-    def world_group(self) -> dist.ProcessGroup | None:
-        """Every rank of the job: checkpoints, exports and weight loading are collectives over it."""
+    def state_group(self) -> dist.ProcessGroup | None:
+        """Every rank of the job: the state is sharded over ``dp_shard x sp``, so checkpoints, exports
+        and weight loading are collectives over the world."""
         return dist.group.WORLD if self.mesh is not None else None
 
     @property
-    def global_rank(self) -> int:
+    def state_rank(self) -> int:
         return self.mesh.rank if self.mesh is not None else 0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -201,8 +182,8 @@ class UlyssesEngine(HFEngine):
         if self.mesh is None:
             return module.to(self.device)
         policy = MixedPrecisionPolicy(
-            param_dtype=_DTYPES.get(self.options.param_dtype),
-            reduce_dtype=_DTYPES.get(self.options.reduce_dtype),
+            param_dtype=DTYPES.get(self.options.param_dtype),
+            reduce_dtype=DTYPES.get(self.options.reduce_dtype),
         )
         common = {"mesh": self.mesh.fsdp_mesh, "mp_policy": policy}
         for layer in decoder_layers(module):  # children before the root
@@ -217,6 +198,7 @@ class UlyssesEngine(HFEngine):
             self.config.seed,
             self.device,
             where=f"{self.config_path}.model",
+            adapter=self.adapter,
         )
         return module
 
@@ -293,70 +275,12 @@ class UlyssesEngine(HFEngine):
                 if isinstance(unit, FSDPModule):
                     unit.reshard()
 
-    # -- weights ---------------------------------------------------------------------------------
-
-    def save_hf_model(self, path: str) -> None:
-        """Rank 0 of the job writes, every rank returns once the export exists (the DP group's rank 0
-        is one per SP rank: it cannot be the writer)."""
-        save_hf_model_from_params(
-            self._initialized(),
-            self.get_per_tensor_param(),
-            path,
-            rank=self.global_rank,
-            group=self.world_group,
-            tokenizer_source=self.config.model.path,
-        )
-
-    # -- checkpoints -----------------------------------------------------------------------------
-
-    def save_checkpoint(self, path: str, global_step: int = 0) -> None:
-        model = self._initialized()
-        with atomic_checkpoint(
-            path, global_step=global_step, backend=BACKEND, group=self.world_group
-        ) as staging:
-            dcp.save(get_model_state_dict(model), checkpoint_id=staging / MODEL_DIR, **self._dcp_group())
-            # Before the first step the state is empty, and torch would fill it with a zero step
-            # just to save it, changing the next real step's bias correction.
-            if self.optimizer.state:
-                dcp.save(
-                    get_optimizer_state_dict(model, self.optimizer),
-                    checkpoint_id=staging / OPTIMIZER_DIR,
-                    **self._dcp_group(),
-                )
-            if self.global_rank == 0:  # identical on every rank
-                torch.save(self.lr_scheduler.state_dict(), staging / LR_SCHEDULER_FILE)
-            save_rng_state(staging, self.global_rank)
-
-    def load_checkpoint(self, path: str) -> int:
-        """Restore a checkpoint saved at any ``(dp, sp)`` layout or world size: DCP reshards."""
-        model = self._initialized()
-        directory, info = open_checkpoint(path, backend=BACKEND)
-        with reading_checkpoint(directory, self.config.model.path):
-            model_state = get_model_state_dict(model)
-            dcp.load(model_state, checkpoint_id=directory / MODEL_DIR, **self._dcp_group())
-            set_model_state_dict(model, model_state)
-            if (directory / OPTIMIZER_DIR).is_dir():
-                optimizer_state = get_optimizer_state_dict(model, self.optimizer)
-                dcp.load(optimizer_state, checkpoint_id=directory / OPTIMIZER_DIR, **self._dcp_group())
-                set_optimizer_state_dict(model, self.optimizer, optimizer_state)
-                # Loading puts the state next to the parameters; keep it where it was (offloaded or not).
-                move_optimizer_state(self.optimizer, self.optimizer_device)
-            else:  # saved before the first step: so is this engine now
-                self.optimizer.state.clear()
-        self.lr_scheduler.load_state_dict(load_checkpoint_file(directory, LR_SCHEDULER_FILE))
-        load_rng_state(directory, self.global_rank)
-        return info.global_step
-
     # -- helpers ---------------------------------------------------------------------------------
 
     @property
     def _options_path(self) -> str:
         """Where the options sit in a run config: ``actor.engine.ulysses``."""
         return f"{self.config_path}.{BACKEND}"
-
-    def _dcp_group(self) -> dict[str, object]:
-        """DCP's collectives run over every rank; an engine without a process group saves alone."""
-        return {"process_group": self.world_group, "no_dist": self.mesh is None}
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

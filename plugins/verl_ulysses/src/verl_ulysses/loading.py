@@ -14,10 +14,12 @@ are in no checkpoint: they are **recomputed** on every rank, by building the mod
 again from the model's config (cheap: a rotary embedding holds a few hundred floats). A garbage
 ``inv_freq`` moves a tiny model's loss by only ~5e-5, so the tests compare every buffer bitwise.
 
-A checkpoint that lacks a tensor the model has (a critic's value head in a causal LM's checkpoint)
-or names tensors otherwise (older layouts that transformers converts on load) cannot be streamed
-by name: rank 0 then loads the model through core's ``load_hf_model`` (``from_pretrained``, the new
-head seeded as every other backend seeds it) and scatters from that instead.
+A checkpoint that lacks a tensor the model has (a critic's value head in a causal LM's checkpoint, a
+LoRA adapter) or names tensors otherwise (older layouts that transformers converts on load, a
+``PeftModel``'s names) cannot be streamed by name: rank 0 then loads the model through core's
+``load_hf_model`` (``from_pretrained``, the new head seeded as every other backend seeds it), puts the
+engine's adapter on it as every rank did on the meta model (the same seed: the same initial adapter
+as any other backend's), and scatters from that instead.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor, distribute_tensor
 from verl_core.config import ModelConfig
-from verl_core.engine import check_model_dir, load_hf_model
+from verl_core.toolkit import Adapter, check_model_dir, load_hf_model
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -69,12 +71,18 @@ def tensors_to_fill(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def load_from_rank0(
-    model: torch.nn.Module, config: ModelConfig, role: str, seed: int, device: torch.device, where: str
+    model: torch.nn.Module,
+    config: ModelConfig,
+    role: str,
+    seed: int,
+    device: torch.device,
+    where: str,
+    adapter: Adapter,
 ) -> str:
-    """Fill the sharded, ``to_empty``-allocated ``model`` on every rank of the job from the checkpoint
-    of ``config`` that rank 0 reads, and recompute the non-persistent buffers. A collective over the
-    world group. Returns how rank 0 read the weights: ``"safetensors"`` (streamed by name) or
-    ``"from_pretrained"`` (the fallback)."""
+    """Fill the sharded, ``to_empty``-allocated ``model`` (``adapter.wrap`` of the meta model) on every
+    rank of the job from the checkpoint of ``config`` that rank 0 reads, and recompute the
+    non-persistent buffers. A collective over the world group. Returns how rank 0 read the weights:
+    ``"safetensors"`` (streamed by name) or ``"from_pretrained"`` (the fallback)."""
     targets = tensors_to_fill(model)
     source: SafetensorsReader | dict[str, torch.Tensor] | None = None
     decision = [None]
@@ -82,7 +90,8 @@ def load_from_rank0(
         source = SafetensorsReader(check_model_dir(config.path, f"{where}.path"))
         streamable = all(name in source for name, _ in targets)
         if not streamable:  # a new value head, or names transformers converts: load it the usual way
-            source = dict(tensors_to_fill(load_hf_model(config, role, seed=seed, where=where)))
+            loaded = load_hf_model(config, role, seed=seed, where=where)
+            source = dict(tensors_to_fill(adapter.wrap(loaded, seed)))
         decision = ["safetensors" if streamable else "from_pretrained"]
     dist.broadcast_object_list(decision, src=0)
     with torch.no_grad():

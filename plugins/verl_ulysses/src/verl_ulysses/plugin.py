@@ -19,6 +19,8 @@ def verl_engine_backends() -> list[EngineBackend]:
             roles=("lm", "value"),
             devices=("cpu", "cuda"),
             api_version=1,  # the engine API this engine implements: a core speaking another refuses it
+            # LoRA from core's toolkit (HFEngine's adapter); the kit's lora check passes at sp 2.
+            lora=True,
             description="VeOmni-style: FSDP2 over a (dp_shard, sp) mesh with Ulysses sequence parallelism, "
             "meta-device init from rank 0, DCP checkpoints",
         )

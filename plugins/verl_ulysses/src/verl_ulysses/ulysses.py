@@ -42,16 +42,14 @@ from tensordict import TensorDict
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS, RESPONSES, VALUES
-from verl_core.engine import (
-    ENTROPY,
-    LOG_PROBS,
+from verl_core.data import ATTENTION_MASK, ENTROPY, INPUT_IDS, LOG_PROBS, RESPONSES, VALUES
+from verl_core.engine import forward_options
+from verl_core.toolkit import (
     chunked_log_probs_and_entropy,
-    forward_options,
     log_probs_and_entropy,
     pack_sequences,
+    plain_head_model,
 )
-from verl_core.engine.hf import PLAIN_HEAD_MODEL_TYPES
 
 #: The attention implementation a model runs under at ``sp > 1`` (registered with transformers).
 ULYSSES_ATTENTION = "verl_ulysses"
@@ -383,7 +381,7 @@ def _local_log_probs(
     temperature, compute_entropy = forward_options(micro_batch)
     where = shard.predicting_local
     labels = shard.labels[where]
-    head_model = _plain_head_model(model)
+    head_model = plain_head_model(model)
     if logits_chunk_size is None or where.numel() <= logits_chunk_size or head_model is None:
         logits = model(**inputs, logits_to_keep=where).logits[0]
         log_probs, entropy = log_probs_and_entropy(logits, labels, temperature, compute_entropy)
@@ -409,18 +407,3 @@ def _local_log_probs(
     outputs = {LOG_PROBS: log_probs} if entropy is None else {LOG_PROBS: log_probs, ENTROPY: entropy}
     length = shard.input_ids.shape[0]
     return {name: value.new_zeros(length).index_put((where,), value) for name, value in outputs.items()}
-
-
-def _plain_head_model(model: torch.nn.Module) -> torch.nn.Module | None:
-    """``model`` when its logits are exactly its LM head applied to its base model's last hidden state
-    (transformers' own class of a type in ``PLAIN_HEAD_MODEL_TYPES``), else None."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    own_forward = f"transformers.models.{model_type}.modeling_{model_type}"
-    plain = (
-        model_type in PLAIN_HEAD_MODEL_TYPES
-        and type(model).forward.__module__ == own_forward
-        and isinstance(model.get_output_embeddings(), torch.nn.Linear)
-        and model.base_model is not model
-    )
-    return model if plain else None

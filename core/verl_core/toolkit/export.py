@@ -15,7 +15,7 @@ from transformers import (
 )
 
 from verl_core.distributed import barrier
-from verl_core.engine.checkpoint import atomic_directory
+from verl_core.toolkit.checkpoint import atomic_directory
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup

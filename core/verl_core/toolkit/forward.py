@@ -25,9 +25,9 @@ from verl_core.data.batch import (
     VALUES,
 )
 from verl_core.engine.base import forward_options
-from verl_core.engine.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
-from verl_core.engine.packing import pack_sequences, prompt_groups
-from verl_core.engine.varlen import packed_model_inputs, shares_prompts
+from verl_core.toolkit.logprob import chunked_log_probs_and_entropy, log_probs_and_entropy
+from verl_core.toolkit.packing import pack_sequences, prompt_groups
+from verl_core.toolkit.varlen import packed_model_inputs, shares_prompts
 
 
 def forward_micro_batch(
@@ -137,7 +137,7 @@ def _lm_outputs(
     """
     temperature, compute_entropy = forward_options(micro_batch)
     chunked = logits_chunk_size is not None and responses.numel() > logits_chunk_size
-    hf_model = _plain_head_model(model) if chunked else None
+    hf_model = plain_head_model(model) if chunked else None
     if hf_model is None:
         logits = predicting(model(**inputs, logits_to_keep=keep).logits)
         log_probs, entropy = log_probs_and_entropy(logits, responses, temperature, compute_entropy)
@@ -164,7 +164,7 @@ def unwrap_hf_model(model: torch.nn.Module) -> PreTrainedModel | None:
     return model
 
 
-def _plain_head_model(model: torch.nn.Module) -> PreTrainedModel | None:
+def plain_head_model(model: torch.nn.Module) -> PreTrainedModel | None:
     """The HF model under ``model`` when its logits are ``Linear(base_model output)`` (its forward is
     that of ``transformers``' own class of a ``PLAIN_HEAD_MODEL_TYPES`` type, not remote code or an
     override); else ``None``."""

@@ -1,6 +1,6 @@
 """Attention for padding-free (packed) micro-batches that costs what padded attention costs.
 
-A packed micro-batch (``verl_core.engine.packing``) is one row of ``T`` real tokens whose positions
+A packed micro-batch (``verl_core.toolkit.packing``) is one row of ``T`` real tokens whose positions
 restart at every sequence. Flash-attention's variable-length kernels run it as it is (transformers
 passes the sequence boundaries, ``cu_seq_lens_q``, to ``flash_attention_*``). ``sdpa`` has no such
 kernel: transformers builds a ``[T, T]`` block-diagonal mask and attends over the whole row,
@@ -29,7 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 if TYPE_CHECKING:
-    from verl_core.engine.packing import PackedSequences
+    from verl_core.toolkit.packing import PackedSequences
 
 #: The attention implementation a packed ``sdpa`` model is loaded with (registered with transformers).
 VARLEN_SDPA = "verl_varlen_sdpa"

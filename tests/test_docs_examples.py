@@ -84,5 +84,6 @@ def test_the_worked_rollout_plugin_passes_the_rollout_kit(my_rollout: Path) -> N
     assert [c.quantity for c in report["sampling"].failures] == [
         "T=0.7: sampled tokens follow softmax(logits / T)",
         "T=1.0: sampled tokens follow softmax(logits / T)",
+        "T=0.7: first tokens follow softmax(logits / T)",
     ], report.summary()
     assert "more likely than T makes them" in report["sampling"].describe()

@@ -7,6 +7,8 @@ core's own version, and every plugin (first-party or the examples under plugins/
 
 from __future__ import annotations
 
+import ast
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -87,4 +89,36 @@ def test_torch_requirement_admits_the_pinned_build(directory):
         assert torch.specifier.contains(PINNED_TORCH), (
             f"{project['name']} requires {torch}, which excludes torch {PINNED_TORCH} (the build every "
             "environment here installs): relax the range"
+        )
+
+
+def _last_release() -> tuple[str, str]:
+    """noxfile.py's ``LAST_RELEASE`` (read, not imported: nox is not a test dependency)."""
+    tree = ast.parse((REPO / "noxfile.py").read_text())
+    (value,) = [
+        node.value
+        for node in tree.body
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["LAST_RELEASE"]
+    ]
+    return ast.literal_eval(value)
+
+
+def test_the_last_release_record_names_the_commit_its_distributions_were_built_from():
+    """``nox -s released_plugins`` builds the last release's plugins from this commit: at it, every
+    distribution that existed then is at that version."""
+    version, commit = _last_release()
+    assert f"\n## {version}\n" in (REPO / "CHANGELOG.md").read_text(), (
+        f"CHANGELOG.md has no {version} release"
+    )
+    git = ["git", "-C", str(REPO)]
+    if subprocess.run([*git, "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True).returncode:
+        pytest.skip(f"the release commit {commit[:12]} is not in this clone (a shallow one?)")
+    for directory in [REPO, *PLUGIN_DIRS]:
+        path = directory.relative_to(REPO) / "pyproject.toml"
+        shown = subprocess.run([*git, "show", f"{commit}:{path.as_posix()}"], capture_output=True, text=True)
+        if shown.returncode:  # a distribution added since the release (verl-ulysses)
+            continue
+        released = tomllib.loads(shown.stdout)["project"]["version"]
+        assert released == version, (
+            f"{path} at {commit[:12]} is {released}, not the recorded release {version}"
         )

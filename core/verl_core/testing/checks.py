@@ -1,7 +1,8 @@
 """The conformance checks. Each runs on every rank of one spawned job against fresh engines.
 
-A check is a function ``(RankContext) -> list[Comparison]``; it raises ``CheckSkipped`` when it
-does not apply (no value role, a single DP rank). Every rank calls the engine in the same order, so
+A check is a function ``(RankContext) -> Iterator[Comparison]`` that yields its comparisons as it
+makes them, so that one that raises partway still reports them (``report.run_check``); it raises
+``CheckSkipped`` when it does not apply (no value role, a single DP rank). Every rank calls the engine in the same order, so
 the engine's collectives line up; comparisons are local (each rank compares its own share) except
 where a check gathers from all ranks on purpose. ``CHECKS`` lists them in the order they run: the
 numbers here (outputs, steps, invariances, the schedule), the state in ``state_checks``
@@ -12,6 +13,7 @@ and the exported weights on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -59,33 +61,29 @@ __all__ = [
 # -- the checks ------------------------------------------------------------------------------------
 
 
-def check_log_probs(ctx: RankContext) -> list[Comparison]:
+def check_log_probs(ctx: RankContext) -> Iterator[Comparison]:
     engine = ctx.engine()
     outputs = infer(engine, ctx.local_batch("A"))
-    if not engine.is_output_rank:
-        return []
-    return compare_outputs(ctx, "log_probs", outputs, (LOG_PROBS, ENTROPY))
+    if engine.is_output_rank:
+        yield from compare_outputs(ctx, "log_probs", outputs, (LOG_PROBS, ENTROPY))
 
 
-def check_values(ctx: RankContext) -> list[Comparison]:
+def check_values(ctx: RankContext) -> Iterator[Comparison]:
     if "value" not in ctx.roles:
         raise CheckSkipped(f"backend '{ctx.backend}' does not list role 'value' (its roles: {ctx.roles})")
     engine = ctx.engine(role="value")
     outputs = infer(engine, ctx.local_batch("A"))
-    comparisons = []
     if engine.is_output_rank:
-        comparisons += compare_outputs(ctx, "values", outputs, (VALUES,), role="value")
+        yield from compare_outputs(ctx, "values", outputs, (VALUES,), role="value")
     # The critic trains too: its head must take gradients like the backbone.
     metrics = train_step(engine, ctx.local_batch("A"), role="value")
-    return comparisons + compare_first_step(
-        ctx, "values", metrics, exported(engine), prefix="value ", role="value"
-    )
+    yield from compare_first_step(ctx, "values", metrics, exported(engine), prefix="value ", role="value")
 
 
-def check_first_step(ctx: RankContext) -> list[Comparison]:
+def check_first_step(ctx: RankContext) -> Iterator[Comparison]:
     engine = ctx.engine()
     metrics = train_step(engine, ctx.local_batch("A"))
-    return compare_first_step(ctx, "first_step", metrics, exported(engine))
+    yield from compare_first_step(ctx, "first_step", metrics, exported(engine))
 
 
 def micro_batch_splits(ctx: RankContext) -> dict[str, MicroBatchConfig]:
@@ -100,52 +98,47 @@ def micro_batch_splits(ctx: RankContext) -> dict[str, MicroBatchConfig]:
     }
 
 
-def check_micro_batch_invariance(ctx: RankContext) -> list[Comparison]:
-    comparisons = []
+def check_micro_batch_invariance(ctx: RankContext) -> Iterator[Comparison]:
     for label, split in micro_batch_splits(ctx).items():
-        comparisons += outputs_and_first_step(ctx, "micro_batch_invariance", split, f"{label}: ")
-    return comparisons
+        yield from outputs_and_first_step(ctx, "micro_batch_invariance", split, f"{label}: ")
 
 
-def check_packing(ctx: RankContext) -> list[Comparison]:
+def check_packing(ctx: RankContext) -> Iterator[Comparison]:
     """Padding-free micro-batches (``micro_batch.packing``) change nothing: the same outputs and the
     same first step as the reference, which runs every sample alone (attention crossing from one
     packed sequence into the next shows as a difference). One micro-batch holds the rank's whole
     share, so that the samples of a prompt group meet in it (an engine may pack their prompt once)."""
     split = attrs.evolve(BASE_MICRO_BATCH, micro_batch_size=BATCH_SIZE, packing=True)
-    return outputs_and_first_step(ctx, "packing", split, "packed: ")
+    yield from outputs_and_first_step(ctx, "packing", split, "packed: ")
 
 
-def check_logits_chunks(ctx: RankContext) -> list[Comparison]:
+def check_logits_chunks(ctx: RankContext) -> Iterator[Comparison]:
     """Log-probs from the LM head ``LOGITS_CHUNK_SIZE`` tokens at a time (``micro_batch.logits_chunk_size``)
     change nothing, padded and packed: the same outputs and first step (whose gradients flow back
     through the recomputed chunks) as the reference, which computes all the logits at once. The kit's
     micro-batches of two sequences predict up to 16 tokens, far below the default chunk, so it is set
     small enough for several chunks and a partial last one."""
-    comparisons = []
     for label, packing in (("padded", False), ("packed", True)):
         split = attrs.evolve(BASE_MICRO_BATCH, packing=packing, logits_chunk_size=LOGITS_CHUNK_SIZE)
-        comparisons += outputs_and_first_step(
+        yield from outputs_and_first_step(
             ctx, "logits_chunks", split, f"{label}, logits_chunk_size={LOGITS_CHUNK_SIZE}: "
         )
-    return comparisons
 
 
 def outputs_and_first_step(
     ctx: RankContext, check: str, split: MicroBatchConfig, prefix: str
-) -> list[Comparison]:
+) -> Iterator[Comparison]:
     """A fresh engine with micro-batching ``split``: its log-probs and entropy on batch A, then its
     first step on A, against the reference."""
     engine = ctx.engine(micro_batch=split)
     outputs = infer(engine, ctx.local_batch("A"))
-    comparisons = []
     if engine.is_output_rank:
-        comparisons += compare_outputs(ctx, check, outputs, (LOG_PROBS, ENTROPY), prefix=prefix)
+        yield from compare_outputs(ctx, check, outputs, (LOG_PROBS, ENTROPY), prefix=prefix)
     metrics = train_step(engine, ctx.local_batch("A"))
-    return comparisons + compare_first_step(ctx, check, metrics, exported(engine), prefix)
+    yield from compare_first_step(ctx, check, metrics, exported(engine), prefix)
 
 
-def check_dp_invariance(ctx: RankContext) -> list[Comparison]:
+def check_dp_invariance(ctx: RankContext) -> Iterator[Comparison]:
     # The layout an earlier check's engine reported: no engine is built only to be skipped.
     if ctx.topology().dp_size == 1:
         raise CheckSkipped(
@@ -160,7 +153,7 @@ def check_dp_invariance(ctx: RankContext) -> list[Comparison]:
         )
     metrics = train_step(engine, ctx.local_batch("A"))
     params = exported(engine)
-    comparisons = compare_first_step(ctx, "dp_invariance", metrics, params, f"{tokens} tokens per DP rank: ")
+    yield from compare_first_step(ctx, "dp_invariance", metrics, params, f"{tokens} tokens per DP rank: ")
     # Every rank (every DP rank, and every model-parallel rank of a replica) must end the step with
     # the same weights and report the same global numbers.
     mine = {"loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"), "params": params}
@@ -168,19 +161,16 @@ def check_dp_invariance(ctx: RankContext) -> list[Comparison]:
     dist.all_gather_object(gathered, mine)
     if ctx.rank != 0:
         for key in ("loss", "grad_norm", "params"):
-            comparisons += compare_runs(
+            yield from compare_runs(
                 "dp_invariance", f"{key} (vs rank 0)", mine[key], gathered[0][key], ctx.rank, "rank 0"
             )
-    return comparisons
 
 
-def check_lr_schedule(ctx: RankContext) -> list[Comparison]:
+def check_lr_schedule(ctx: RankContext) -> Iterator[Comparison]:
     engine = ctx.engine(optim=SCHEDULE_OPTIM)
-    comparisons = []
     for number, (name, step) in enumerate(zip("ABC", ctx.reference_schedule(), strict=True), start=1):
         metrics = train_step(engine, ctx.local_batch(name))
-        comparisons += compare_step(ctx, "lr_schedule", metrics, exported(engine), step, f"step {number}: ")
-    return comparisons
+        yield from compare_step(ctx, "lr_schedule", metrics, exported(engine), step, f"step {number}: ")
 
 
 CHECKS: dict[str, Check] = {

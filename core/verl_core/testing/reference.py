@@ -63,6 +63,23 @@ def response_logits(model: torch.nn.Module, prompt: Sequence[int], response: Seq
     return logits[len(prompt) - 1 : len(prompt) + len(response) - 1].float()
 
 
+@torch.no_grad()
+def next_token_logits(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The logits ``[B, V]`` that predict each prompt's first response token (its last position's),
+    each prompt run unpadded through the Hugging Face model in eval mode; prompts of one length go
+    in one batch, which needs no padding. ``response_logits``' first row, for many prompts at once."""
+    model.eval()
+    logits: list[torch.Tensor | None] = [None] * len(prompts)
+    by_length: dict[int, list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        by_length.setdefault(len(prompt), []).append(index)
+    for indices in by_length.values():
+        input_ids = torch.tensor([list(prompts[index]) for index in indices], dtype=torch.int64)
+        for index, row in zip(indices, model(input_ids=input_ids).logits[:, -1].float(), strict=True):
+            logits[index] = row
+    return torch.stack(logits)
+
+
 def pad_responses(per_sample: Sequence[torch.Tensor], width: int = RESPONSE_LENGTH) -> torch.Tensor:
     """Stack per-sample ``[r]`` tensors into ``[B, width]``, zeros after each response."""
     padded = torch.zeros(len(per_sample), width)

@@ -2,20 +2,26 @@
 
 A ``Comparison`` is one quantity of one check on one rank (``log_probs`` on rank 1, the parameters
 after step 1, ...) compared with its expected value within a tolerance; its ``detail`` says what
-differed, where and by how much. Each rank records its own; ``ConformanceReport`` merges the ranks
-into one ``CheckOutcome`` per check. Everything here is plain data (picklable, no tensors) so that
-ranks can hand it to the process that asked.
+differed, where and by how much. A check yields its comparisons as it makes them, and each rank
+records them as they come (``run_check``), so a check that raises partway still reports what it saw.
+``ConformanceReport`` merges the ranks into one ``CheckOutcome`` per check, and a backend's declared
+expected failures (``expected_failed_checks``) turn into ``xfailed``, strictly. Everything here is
+plain data (picklable, no tensors) so that ranks can hand it to the process that asked.
 """
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import attrs
 import torch
 
-Status = Literal["passed", "failed", "error", "skipped"]
+from verl_core.errors import did_you_mean
+
+#: ``xfailed``: the check failed (or raised) as the backend declared it would, with a reason.
+Status = Literal["passed", "failed", "error", "skipped", "xfailed"]
 
 
 @attrs.frozen
@@ -236,19 +242,53 @@ def _names(names: list[str], limit: int = 4) -> str:
 
 @attrs.frozen
 class RankRecord:
-    """What one rank recorded for one check: its comparisons, or why it was skipped / raised."""
+    """What one rank recorded for one check: its comparisons, and why it was skipped or raised.
+
+    ``raised`` is set when the check raised on this rank: its status is then ``error``, or
+    ``failed`` when a comparison it had made before had already failed (``run_check``).
+    """
 
     check: str
     rank: int
     status: Status
     comparisons: tuple[Comparison, ...] = ()
     reason: str = ""
+    raised: bool = False
+
+
+class CheckSkipped(Exception):
+    """The check does not apply to this backend or world size; the message says why."""
+
+
+def run_check(check: Check, context: Any, rank: int) -> RankRecord:
+    """Run ``check`` on this rank and record what it saw.
+
+    Its comparisons are kept as the check yields them, so one that raises partway loses nothing:
+    if a comparison had already failed, the record is ``failed`` with those comparisons and the
+    traceback (the failure is the finding; the exception may be where it led), otherwise ``error``
+    with the traceback. ``CheckSkipped`` makes it ``skipped`` with the reason.
+    """
+    seen: list[Comparison] = []
+    try:
+        for comparison in check.run(context):
+            seen.append(comparison)
+    except CheckSkipped as skip:
+        return RankRecord(check.name, rank, "skipped", tuple(seen), reason=str(skip))
+    except Exception:
+        failed = any(not comparison.passed for comparison in seen)
+        reason = traceback.format_exc()
+        if failed:
+            reason = f"after the failing comparisons below, the check raised:\n{reason}"
+        return RankRecord(check.name, rank, "failed" if failed else "error", tuple(seen), reason, raised=True)
+    return RankRecord(check.name, rank, "passed", tuple(seen))
 
 
 @attrs.frozen
 class CheckOutcome:
-    """One check merged over ranks: ``failed`` if any comparison failed, ``error`` if any rank raised
-    or never finished, ``skipped`` if every rank skipped it."""
+    """One check merged over ranks: ``failed`` if any comparison failed (even on a rank that then
+    raised: the reasons carry its traceback), else ``error`` if any rank raised or never finished,
+    ``skipped`` if every rank skipped it. ``xfailed`` is a failure or error the backend declared
+    (``expect_failure``)."""
 
     check: str
     status: Status
@@ -289,18 +329,57 @@ class CheckOutcome:
         if unfinished:
             reasons += (f"rank(s) {unfinished} did not finish this check (see the run's error)",)
         statuses = {record.status for record in records}
-        if "error" in statuses or unfinished:
-            status: Status = "error"
+        if any(not c.passed for c in comparisons):
+            status: Status = "failed"
+        elif statuses & {"error", "failed"} or unfinished:
+            status = "error"
         elif statuses == {"skipped"}:
             status = "skipped"
-        elif any(not c.passed for c in comparisons):
-            status = "failed"
         elif not comparisons:
             status = "error"
             reasons += ("no rank compared anything: the check proved nothing",)
         else:
             status = "passed"
         return cls(check, status, comparisons, reasons)
+
+    def expect_failure(self, reason: str) -> CheckOutcome:
+        """This outcome of a check its backend declares it fails, for ``reason``: a failure or an error
+        is ``xfailed``; a pass is ``failed``, since the declaration is out of date (strict, as
+        scikit-learn's ``expected_failed_checks``); a skip stays a skip."""
+        if self.status in ("failed", "error"):
+            return attrs.evolve(
+                self, status="xfailed", reasons=(f"expected failure: {reason}", *self.reasons)
+            )
+        if self.status == "passed":
+            return attrs.evolve(
+                self,
+                status="failed",
+                reasons=(
+                    f"check '{self.check}' passes now: remove it from the expected failures "
+                    f"(expected_failed_checks, where it says: {reason})",
+                    *self.reasons,
+                ),
+            )
+        return self
+
+
+def expected_failures(
+    declared: Mapping[str, str] | None, known: Iterable[str], where: str = "expected_failed_checks"
+) -> dict[str, str]:
+    """``declared`` (``{check name: reason}``) checked: every name is a check of the kit, every reason
+    a non-empty string; raises ``ValueError`` naming the known checks otherwise."""
+    declared = dict(declared or {})
+    known = list(known)
+    for name, reason in declared.items():
+        if name not in known:
+            hint = did_you_mean(name, known)
+            raise ValueError(f"{where}: {name!r} is not a conformance check{hint}; the checks are {known}")
+        if not isinstance(reason, str) or not reason.strip():
+            raise ValueError(
+                f"{where}: {name!r} needs a reason, a non-empty string saying why the backend fails it "
+                f"(got {reason!r})"
+            )
+    return declared
 
 
 @attrs.frozen
@@ -333,8 +412,10 @@ class ConformanceReport:
 
     @property
     def passed(self) -> bool:
-        """Every check passed or was skipped, and the run completed."""
-        return self.error is None and all(o.status in ("passed", "skipped") for o in self.outcomes.values())
+        """Every check passed, was skipped or failed as declared (``xfailed``), and the run completed."""
+        return self.error is None and all(
+            o.status in ("passed", "skipped", "xfailed") for o in self.outcomes.values()
+        )
 
     def summary(self) -> str:
         """One line per check, then the details of every check that did not pass."""
@@ -342,16 +423,26 @@ class ConformanceReport:
         lines += [f"  {name:<24} {outcome.status}" for name, outcome in self.outcomes.items()]
         if self.error:
             lines.append(f"run error: {self.error}")
-        lines += [o.describe() for o in self.outcomes.values() if o.status in ("failed", "error")]
+        lines += [o.describe() for o in self.outcomes.values() if o.status in ("failed", "error", "xfailed")]
         return "\n".join(lines)
+
+    def expecting(self, declared: Mapping[str, str]) -> ConformanceReport:
+        """This report with the backend's expected failures (``{check: reason}``, checked by
+        ``expected_failures``) applied to the checks it ran."""
+        outcomes = {
+            name: outcome.expect_failure(declared[name]) if name in declared else outcome
+            for name, outcome in self.outcomes.items()
+        }
+        return attrs.evolve(self, outcomes=outcomes)
 
 
 @attrs.frozen
 class Check:
-    """A named check of a kit: ``run(context) -> comparisons`` (a ``RankContext`` for the engine kit, a
-    ``RolloutContext`` for the rollout kit), with a one-line statement of what it proves
-    (docs/conformance.md has more)."""
+    """A named check of a kit, with a one-line statement of what it proves (docs/conformance.md has
+    more). ``run(context)`` (a ``RankContext`` for the engine kit, a ``RolloutContext`` for the
+    rollout kit) yields its comparisons as it makes them (a list will do, but a check that raises
+    then loses those it made)."""
 
     name: str
-    run: Callable[[Any], list[Comparison]]
+    run: Callable[[Any], Iterable[Comparison]]
     proves: str

@@ -1,10 +1,11 @@
 """The rollout conformance checks: does a rollout backend sample what the engine would score?
 
-A check is a function ``(RolloutContext) -> list[Comparison]``, run in one process against one
+A check is a function ``(RolloutContext) -> Iterator[Comparison]`` that yields its comparisons as
+it makes them (so one that raises partway still reports them), run in one process against one
 initialised rollout of the kit's tiny model (``save_rollout_model``); one that cannot be exercised
 raises the engine kit's ``CheckSkipped`` (none of today's checks needs to: they all run on any
-device). ``ROLLOUT_CHECKS`` lists them in the order they run; ``weight_sync``, which replaces the
-rollout's weights (and puts the original ones back), runs last.
+device). ``ROLLOUT_CHECKS`` lists them in the order they run; the weight checks
+(``rollout_weights``), which replace the rollout's weights (and put the original ones back), run last.
 
 Every number is compared with the independent reference of ``verl_core.testing.reference``: the
 Hugging Face model run on each sample alone, unpadded, teacher-forced (``response_logits``), with
@@ -12,7 +13,8 @@ Hugging Face model run on each sample alone, unpadded, teacher-forced (``respons
 are read through the rollout's own ``response_mask``, so a layout bug shows in ``batch_contract``
 and not again in every other check. Prompts of different lengths in one call are the subject of
 ``prompt_lengths`` (and of ``batch_contract``'s layout): the other checks give prompts of one
-length, so that a padding bug fails one check, named for it.
+length, so that a padding bug fails one check, named for it. The statistical tests are in
+``rollout_statistics``.
 """
 
 from __future__ import annotations
@@ -20,104 +22,119 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+import attrs
 import torch
 
 from verl_core.data.batch import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
 from verl_core.testing import reference
-from verl_core.testing.context import BASE_OPTIM
 from verl_core.testing.report import BITWISE, Check, Comparison, compare_tensors
 from verl_core.testing.rollout_context import (
+    FILTER_TOP_K,
+    FILTER_TOP_P,
+    FIRST_TOKEN_PROMPTS,
+    FIRST_TOKEN_TEMPERATURE,
+    FIRST_TOKEN_Z_LIMIT,
     GREEDY_TIE_TOLERANCE,
+    INDEPENDENCE_P_LIMIT,
+    INDEPENDENCE_PROMPTS,
     LOG_PROB_TOLERANCE,
     MIXED_PROMPT_LENGTHS,
     N_SAMPLES,
     PROMPT_LENGTH,
     SAMPLING_Z_LIMIT,
-    SYNC_MIN_CHANGE,
     TEMPERATURES,
     RolloutContext,
     compare_log_probs,
+    first_tokens,
     make_prompts,
     reference_log_probs,
     rows_of,
     save_rollout_model,
 )
 from verl_core.testing.rollout_layout import check_batch_contract
-from verl_core.testing.tiny import make_samples
+from verl_core.testing.rollout_statistics import log_prob_z, repeated_draws
+from verl_core.testing.rollout_weights import check_weight_refusals, check_weight_sync
 
 __all__ = ["ROLLOUT_CHECKS", "RolloutCheck", "RolloutContext", "save_rollout_model"]
 
 # -- the checks -------------------------------------------------------------------------------------
 
 
-def check_log_probs(ctx: RolloutContext) -> list[Comparison]:
+def check_log_probs(ctx: RolloutContext) -> Iterator[Comparison]:
     prompts = make_prompts([PROMPT_LENGTH] * 8, seed=102)
-    comparisons = []
     for temperature in TEMPERATURES:
         output = ctx.generate(prompts, seed=11, temperature=temperature)
         expected, mask = reference_log_probs(ctx.reference(), output, temperature)
-        comparisons.append(
-            compare_log_probs(
-                "log_probs", f"T={temperature}: rollout_log_probs", output, expected, mask, "reference"
-            )
+        yield compare_log_probs(
+            "log_probs", f"T={temperature}: rollout_log_probs", output, expected, mask, "reference"
         )
-    return comparisons
 
 
-def check_sampling(ctx: RolloutContext) -> list[Comparison]:
-    """Under ``softmax(logits / T)`` the log-probability of a sampled token has mean ``-H`` (minus the
-    entropy) and variance ``V``; summed over every sampled token (each given the tokens before it),
-    ``z = sum(log p + H) / sqrt(sum V)`` is about standard normal when the tokens really are drawn
-    from that distribution. Sampled at a higher temperature, or from a distribution that some filter
-    cut (top-k, top-p applied when off), the tokens are less or more likely than that: ``|z|`` grows
-    with the number of tokens (~0.47 per token at T = 0.7 for a rollout that samples at T = 1)."""
+def check_sampling(ctx: RolloutContext) -> Iterator[Comparison]:
+    """The sampled tokens follow ``softmax(logits / T)`` (``rollout_statistics.log_prob_z``): all of
+    them together (~1000 tokens; ``|z|`` grows with their number, ~0.46 per token at T = 0.7 for a
+    rollout that samples at T = 1), then the first token of each response alone, in a call of its
+    own with enough prompts to see it: the first token often comes from a path of its own (the
+    prefill's logits), which the other tokens would outvote 20 to 1 in the pooled test."""
     prompts = make_prompts([PROMPT_LENGTH] * 48, seed=103)
-    comparisons = []
+    model = ctx.reference()
     for temperature in TEMPERATURES:
         output = ctx.generate(prompts, seed=13, temperature=temperature, max_new_tokens=24)
-        centred = variance = 0.0
-        log_prob_sum = entropy_sum = 0.0
-        tokens = 0
-        model = ctx.reference()
+        log_probs, sampled = [], []
         for row in rows_of(output):
-            if not row.response:
-                continue
-            logits = reference.response_logits(model, row.prompt, row.response).double()
-            log_p = torch.log_softmax(logits / temperature, dim=-1)
-            p = log_p.exp()
-            entropy = -(p * log_p).sum(dim=-1)
-            spread = (p * log_p.square()).sum(dim=-1) - entropy.square()
-            sampled = log_p.gather(-1, torch.tensor(row.response)[:, None])[:, 0]
-            centred += float((sampled + entropy).sum())
-            variance += float(spread.sum())
-            log_prob_sum += float(sampled.sum())
-            entropy_sum += float(entropy.sum())
-            tokens += len(row.response)
-        quantity = f"T={temperature}: sampled tokens follow softmax(logits / T)"
-        if tokens == 0:
-            comparisons.append(Comparison("sampling", quantity, 0, False, "the rollout sampled no tokens"))
-            continue
-        z = centred / math.sqrt(variance)
-        passed = abs(z) <= SAMPLING_Z_LIMIT
-        detail = (
-            f"mean log-prob of the {tokens} sampled tokens under the reference's softmax(logits / T) "
-            f"{log_prob_sum / tokens:.4f}, expected {-entropy_sum / tokens:.4f} (minus the mean entropy): "
-            f"z = {z:.2f} (|z| <= {SAMPLING_Z_LIMIT:g})"
+            if row.response:
+                logits = reference.response_logits(model, row.prompt, row.response).double()
+                log_probs.append(torch.log_softmax(logits / temperature, dim=-1))
+                sampled.append(torch.tensor(row.response))
+        yield _follows(
+            f"T={temperature}: sampled tokens follow softmax(logits / T)",
+            log_probs,
+            sampled,
+            SAMPLING_Z_LIMIT,
+            "",
         )
-        if z < -SAMPLING_Z_LIMIT:
-            detail += (
-                "; the tokens are less likely than T makes them: sampled at a higher temperature (T ignored?)"
-            )
-        elif z > SAMPLING_Z_LIMIT:
-            detail += (
-                "; the tokens are more likely than T makes them: sampled at a lower temperature, or filtered "
-                "(a top-k or top-p applied although top_k=0, top_p=1)"
-            )
-        comparisons.append(Comparison("sampling", quantity, 0, passed, detail, abs(z)))
-    return comparisons
+    # The first tokens at T = 0.7 only: a first token drawn from the wrong logits shows at either
+    # temperature, one drawn without the temperature at this one only.
+    prompts = make_prompts([PROMPT_LENGTH] * FIRST_TOKEN_PROMPTS, seed=109)
+    output = ctx.generate(prompts, seed=31, temperature=FIRST_TOKEN_TEMPERATURE, max_new_tokens=2)
+    rows, tokens = first_tokens(output)
+    logits = reference.next_token_logits(model, prompts).double()[rows]
+    yield _follows(
+        f"T={FIRST_TOKEN_TEMPERATURE}: first tokens follow softmax(logits / T)",
+        [torch.log_softmax(logits / FIRST_TOKEN_TEMPERATURE, dim=-1)] if len(rows) else [],
+        [tokens],
+        FIRST_TOKEN_Z_LIMIT,
+        " (the first token of each response alone: drawn differently from the tokens after it? "
+        "the prefill's logits sampled without the temperature, or another position's logits)",
+    )
 
 
-def check_greedy(ctx: RolloutContext) -> list[Comparison]:
+def _follows(
+    quantity: str, log_probs: list[torch.Tensor], sampled: list[torch.Tensor], limit: float, first: str
+) -> Comparison:
+    """The ``sampling`` comparison of tokens ``sampled`` against the distributions ``log_probs``."""
+    if not log_probs:
+        return Comparison("sampling", quantity, 0, False, "the rollout sampled no tokens")
+    test = log_prob_z(torch.cat(log_probs), torch.cat(sampled))
+    detail = (
+        f"mean log-prob of the {test.tokens} sampled tokens under the reference's softmax(logits / T) "
+        f"{test.mean_log_prob:.4f}, expected {test.expected_mean:.4f} (minus the mean entropy): "
+        f"z = {test.z:.2f} (|z| <= {limit:g})"
+    )
+    if test.z < -limit:
+        detail += (
+            "; the tokens are less likely than T makes them: sampled at a higher temperature (T ignored?)"
+            + first
+        )
+    elif test.z > limit:
+        detail += (
+            "; the tokens are more likely than T makes them: sampled at a lower temperature, or filtered "
+            "(a top-k or top-p applied although top_k=0, top_p=1)" + first
+        )
+    return Comparison("sampling", quantity, 0, abs(test.z) <= limit, detail, abs(test.z))
+
+
+def check_greedy(ctx: RolloutContext) -> Iterator[Comparison]:
     check = "greedy"
     prompts = make_prompts([PROMPT_LENGTH] * 8, seed=104)
     output = ctx.generate(prompts, seed=0, temperature=0.0)
@@ -162,97 +179,127 @@ def check_greedy(ctx: RolloutContext) -> list[Comparison]:
             f"all {total} tokens are the argmax (smallest gap to the runner-up {closest:.3g})",
             0.0,
         )
+    yield tokens
     expected, mask = reference_log_probs(model, output, 0.0)
-    comparisons = [
-        tokens,
-        compare_log_probs(check, "rollout_log_probs (untempered)", output, expected, mask, "reference"),
-    ]
+    yield compare_log_probs(check, "rollout_log_probs (untempered)", output, expected, mask, "reference")
     again = ctx.generate(prompts, seed=1, temperature=0.0)
-    comparisons.append(
-        compare_tensors(
-            check,
-            "another seed gives the same responses",
-            again[RESPONSES],
-            output[RESPONSES],
-            BITWISE,
-            0,
-            against="seed 0's",
-            subject="seed 1's",
-        )
+    yield compare_tensors(
+        check,
+        "another seed gives the same responses",
+        again[RESPONSES],
+        output[RESPONSES],
+        BITWISE,
+        0,
+        against="seed 0's",
+        subject="seed 1's",
     )
-    return comparisons
 
 
-def check_prompt_lengths(ctx: RolloutContext) -> list[Comparison]:
+def check_prompt_lengths(ctx: RolloutContext) -> Iterator[Comparison]:
     lengths = MIXED_PROMPT_LENGTHS * 2
     prompts = make_prompts(lengths, seed=105)
     output = ctx.generate(prompts, seed=17)
     expected, mask = reference_log_probs(ctx.reference(), output, 1.0)
     longest = torch.tensor([length == max(lengths) for length in lengths])[:, None]
     low, high = min(lengths), max(lengths)
-    return [
-        compare_log_probs(
-            "prompt_lengths",
-            f"rollout_log_probs of the {high}-token prompts (no padding)",
-            output,
-            expected,
-            mask & longest,
-            "reference",
-        ),
-        compare_log_probs(
-            "prompt_lengths",
-            f"rollout_log_probs of the {low}- to {high - 1}-token prompts (left-padded in the same call)",
-            output,
-            expected,
-            mask & ~longest,
-            "reference (each sample alone)",
-        ),
-    ]
+    yield compare_log_probs(
+        "prompt_lengths",
+        f"rollout_log_probs of the {high}-token prompts (no padding)",
+        output,
+        expected,
+        mask & longest,
+        "reference",
+    )
+    yield compare_log_probs(
+        "prompt_lengths",
+        f"rollout_log_probs of the {low}- to {high - 1}-token prompts (left-padded in the same call)",
+        output,
+        expected,
+        mask & ~longest,
+        "reference (each sample alone)",
+    )
 
 
-def check_n_samples(ctx: RolloutContext) -> list[Comparison]:
+def check_n_samples(ctx: RolloutContext) -> Iterator[Comparison]:
     check = "n_samples"
     distinct = make_prompts([PROMPT_LENGTH - 1] * 4, seed=106)
     prompts = [prompt for prompt in distinct for _ in range(N_SAMPLES)]
     output = ctx.generate(prompts, seed=19)
     rows = rows_of(output)
-    if len(rows) != len(prompts) or [row.prompt for row in rows] != prompts:
-        return [
-            Comparison(
-                check,
-                "one row per prompt, in order",
-                0,
-                False,
-                f"{len(rows)} rows for {len(prompts)} prompts ({len(distinct)} prompts x {N_SAMPLES}), or "
-                "rows whose prompt is not the one at their index",
-            )
-        ]
+    in_order = len(rows) == len(prompts) and [row.prompt for row in rows] == prompts
+    yield Comparison(
+        check,
+        "one row per prompt, in order",
+        0,
+        in_order,
+        f"{len(rows)} rows, each with its prompt"
+        if in_order
+        else f"{len(rows)} rows for {len(prompts)} prompts ({len(distinct)} prompts x {N_SAMPLES}), or "
+        "rows whose prompt is not the one at their index",
+    )
+    if not in_order:
+        return
     groups = [
         {tuple(row.response) for row in rows[i * N_SAMPLES : (i + 1) * N_SAMPLES]}
         for i in range(len(distinct))
     ]
     copies = [i for i, group in enumerate(groups) if len(group) == 1]
-    expected, mask = reference_log_probs(ctx.reference(), output, 1.0)
-    return [
-        Comparison(check, "one row per prompt, in order", 0, True, f"{len(rows)} rows, each with its prompt"),
-        Comparison(
-            check,
-            f"each prompt's {N_SAMPLES} responses are samples of their own",
-            0,
-            not copies,
-            f"distinct responses per prompt: {[len(group) for group in groups]}"
-            + (
-                f"; prompt(s) {copies} got one response {N_SAMPLES} times (sampled once per distinct prompt "
-                "and copied?)"
-                if copies
-                else ""
-            ),
+    yield Comparison(
+        check,
+        f"each prompt's {N_SAMPLES} responses are samples of their own",
+        0,
+        not copies,
+        f"distinct responses per prompt: {[len(group) for group in groups]}"
+        + (
+            f"; prompt(s) {copies} got one response {N_SAMPLES} times (sampled once per distinct prompt "
+            "and copied?)"
+            if copies
+            else ""
         ),
-        compare_log_probs(check, "rollout_log_probs", output, expected, mask, "reference"),
-    ]
+    )
+    expected, mask = reference_log_probs(ctx.reference(), output, 1.0)
+    yield compare_log_probs(check, "rollout_log_probs", output, expected, mask, "reference")
+    yield _first_tokens_independent(ctx)
 
 
-def check_seed(ctx: RolloutContext) -> list[Comparison]:
+def _first_tokens_independent(ctx: RolloutContext) -> Comparison:
+    """The ``n`` first tokens of one prompt are independent draws (``rollout_statistics.repeated_draws``):
+    a prompt's rows share its prefill, and a rollout that samples the first token once per prompt
+    (or from one random number per prompt) gives its rows one first token, whatever follows."""
+    quantity = f"the first tokens of a prompt's {N_SAMPLES} responses are independent draws"
+    distinct = make_prompts([PROMPT_LENGTH] * INDEPENDENCE_PROMPTS, seed=110)
+    output = ctx.generate(
+        [prompt for prompt in distinct for _ in range(N_SAMPLES)], seed=37, max_new_tokens=2
+    )
+    rows, tokens = first_tokens(output)
+    if output[RESPONSES].shape[0] != len(distinct) * N_SAMPLES:
+        return Comparison(
+            "n_samples",
+            quantity,
+            0,
+            False,
+            f"{output[RESPONSES].shape[0]} rows for {len(distinct) * N_SAMPLES} prompts",
+        )
+    draws = [[] for _ in distinct]
+    for row, token in zip(rows.tolist(), tokens.tolist(), strict=True):
+        draws[row // N_SAMPLES].append(token)
+    probabilities = torch.softmax(reference.next_token_logits(ctx.reference(), distinct).double(), dim=-1)
+    test = repeated_draws(probabilities, draws)
+    passed = test.p_value >= INDEPENDENCE_P_LIMIT
+    detail = (
+        f"{test.repeated} of {test.groups} prompts got a first token twice or more among their {N_SAMPLES} "
+        f"responses; independent draws do so in {test.expected:.1f} on average, and in {test.repeated} or "
+        f"more with probability {test.p_value:.2g} (limit {INDEPENDENCE_P_LIMIT:g})"
+    )
+    if not passed:
+        detail += (
+            f": the {N_SAMPLES} responses of a prompt share their first token (sampled once per prompt from "
+            "the prefill its rows share and copied to them?) or are otherwise drawn together"
+        )
+    return Comparison("n_samples", quantity, 0, passed, detail)
+
+
+def check_seed(ctx: RolloutContext) -> Iterator[Comparison]:
     check = "seed"
     prompts = make_prompts([PROMPT_LENGTH] * 8, seed=107)
     # The global RNG is set to another state before every call: a rollout must draw from its seed only.
@@ -264,96 +311,102 @@ def check_seed(ctx: RolloutContext) -> list[Comparison]:
         other = ctx.generate(prompts, seed=24)
         torch.manual_seed(3)
         again = ctx.generate(prompts, seed=23)
-    comparisons = [
-        compare_tensors(
+    for key, tolerance in (
+        (RESPONSES, BITWISE),
+        (RESPONSE_MASK, BITWISE),
+        (ROLLOUT_LOG_PROBS, LOG_PROB_TOLERANCE),
+    ):
+        yield compare_tensors(
             check,
             f"same seed: {key}",
             again[key],
             first[key],
-            BITWISE,
+            tolerance,
             0,
             against="first call's",
             subject="third call's",
         )
-        for key in (RESPONSES, RESPONSE_MASK)
-    ]
-    comparisons.append(
-        compare_tensors(
-            check,
-            f"same seed: {ROLLOUT_LOG_PROBS}",
-            again[ROLLOUT_LOG_PROBS],
-            first[ROLLOUT_LOG_PROBS],
-            LOG_PROB_TOLERANCE,
-            0,
-            against="first call's",
-            subject="third call's",
-        )
-    )
     same = other[RESPONSES].shape == first[RESPONSES].shape and torch.equal(
         other[RESPONSES], first[RESPONSES]
     )
-    comparisons.append(
-        Comparison(
-            check,
-            "another seed: other samples",
-            0,
-            not same,
-            "seed 24 gave exactly seed 23's responses: the seed is not used"
-            if same
-            else "seed 24's responses differ from seed 23's",
-        )
+    yield Comparison(
+        check,
+        "another seed: other samples",
+        0,
+        not same,
+        "seed 24 gave exactly seed 23's responses: the seed is not used"
+        if same
+        else "seed 24's responses differ from seed 23's",
     )
-    return comparisons
 
 
-def check_weight_sync(ctx: RolloutContext) -> list[Comparison]:
-    check = "weight_sync"
-    # One AdamW step of the engine kit's policy loss (its BASE_OPTIM), taken by the plain reference.
-    trained = reference.reference_step(ctx.model_dir, "lm", make_samples(1), BASE_OPTIM, 1.0).model.eval()
-    original = ctx.reference()
-    prompts = make_prompts([PROMPT_LENGTH] * 8, seed=108)
-    comparisons = []
-    for label, weights, stale in (
-        ("the trained weights", trained, original),
-        ("the original weights back", original, trained),
-    ):
-        ctx.rollout.update_weights(_weight_stream(weights, ctx.device))
-        output = ctx.generate(prompts, seed=29)
-        expected, mask = reference_log_probs(weights, output, 1.0)
-        before, _ = reference_log_probs(stale, output, 1.0)
-        change = float((expected - before).abs()[mask].max()) if bool(mask.any()) else 0.0
-        if change < SYNC_MIN_CHANGE:
-            raise RuntimeError(
-                f"rollout kit bug: the weight update moves the reference's log-probs by only {change:.3g} "
-                f"(< {SYNC_MIN_CHANGE:g}), too little to tell new weights from old"
+def check_filters(ctx: RolloutContext) -> Iterator[Comparison]:
+    """With top-k, then top-p, on (T = 1): every sampled token is one the filter keeps, and its
+    reported log-prob is still the unfiltered ``log_softmax(logits / T)``: the filters restrict what
+    is drawn, not the distribution the engine scores the tokens under (``BaseRollout``). About half
+    of the probability lies outside either filter, so a rollout that ignores it draws about half of
+    the ~100 tokens outside."""
+    check = "filters"
+    prompts = make_prompts([PROMPT_LENGTH] * 8, seed=111)
+    model = ctx.reference()
+    for top_k, top_p in ((FILTER_TOP_K, 1.0), (0, FILTER_TOP_P)):
+        label = f"top_k={top_k}" if top_k else f"top_p={top_p}"
+        output = ctx.generate(prompts, seed=41, top_k=top_k, top_p=top_p)
+        shape = output[RESPONSES].shape
+        expected, filtered = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
+        mask = torch.zeros(shape, dtype=torch.bool)
+        outside, total = [], 0
+        for index, row in enumerate(rows_of(output)):
+            if not row.response:
+                continue
+            logits = reference.response_logits(model, row.prompt, row.response).double()
+            kept = _kept_by(logits, top_k, top_p)
+            tokens = torch.tensor(row.response)[:, None]
+            expected[index, row.columns] = torch.log_softmax(logits, dim=-1).gather(-1, tokens)[:, 0]
+            renormalised = torch.log_softmax(logits.masked_fill(~kept, -math.inf), dim=-1)
+            filtered[index, row.columns] = renormalised.gather(-1, tokens)[:, 0]
+            mask[index, row.columns] = True
+            for t, token in enumerate(row.response):
+                total += 1
+                if not kept[t, token]:
+                    rank = int((logits[t] > logits[t, token] + GREEDY_TIE_TOLERANCE).sum()) + 1
+                    outside.append(f"[{index}, {t}]: token {token}, the {rank}th most likely")
+        if not total:
+            detail = "the rollout sampled no tokens"
+        elif outside:
+            detail = (
+                f"{len(outside)} of {total} sampled tokens are outside {label} ({'; '.join(outside[:3])}): "
+                "the filter is not applied when sampling"
             )
-        comparison = compare_log_probs(
-            check, f"after syncing {label}: rollout_log_probs", output, expected, mask, "synced reference"
+        else:
+            detail = f"all {total} sampled tokens are inside {label}"
+        yield Comparison(
+            check, f"{label}: sampled tokens are ones the filter keeps", 0, total > 0 and not outside, detail
         )
-        comparisons.append(comparison)
-        if not comparison.passed:
-            old = compare_log_probs(check, "", output, before, mask, "")
-            if old.passed:
-                comparisons.append(
-                    Comparison(
-                        check,
-                        f"after syncing {label}: not the weights before the sync",
-                        0,
-                        False,
-                        f"the rollout's log-probs are those of the weights before the sync (max |difference| "
-                        f"{old.max_abs_diff:.3g}, while the sync moves them by up to {change:.3g}): "
-                        "update_weights does not reach the weights it samples with",
-                        old.max_abs_diff,
-                    )
-                )
-    return comparisons
+        comparison = compare_log_probs(
+            check, f"{label}: rollout_log_probs (unfiltered)", output, expected, mask, "reference"
+        )
+        if not comparison.passed and compare_log_probs(check, "", output, filtered, mask, "").passed:
+            comparison = attrs.evolve(
+                comparison,
+                detail=f"{comparison.detail}; they are the log-probs of the filtered, renormalised "
+                "distribution: report log_softmax(logits / T) before the filter, which the engine computes",
+            )
+        yield comparison
 
 
-def _weight_stream(model: torch.nn.Module, device: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The weights as an engine's ``get_per_tensor_param`` yields them: one full tensor at a time,
-    Hugging Face names, state-dict order, on the rollout's device."""
-    for name, tensor in model.state_dict().items():
-        yield name, tensor.detach().to(device, copy=True)
+def _kept_by(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """``[r, V]``: the tokens that top-k (the ``top_k`` largest logits) and top-p (the smallest set of
+    most likely tokens whose probability reaches ``top_p``) keep, at T = 1. A token tied with a kept
+    one (within ``GREEDY_TIE_TOLERANCE``) counts as kept: float rounding may order ties either way."""
+    above = logits[:, None, :] > logits[:, :, None] + GREEDY_TIE_TOLERANCE  # [r, token, more likely]
+    kept = torch.ones_like(logits, dtype=torch.bool)
+    if top_k:
+        kept &= above.sum(dim=-1) < top_k
+    if top_p < 1.0:
+        probabilities = torch.softmax(logits, dim=-1)
+        kept &= (above * probabilities[:, None, :]).sum(dim=-1) < top_p
+    return kept
 
 
 #: The rollout kit's checks are ``Check`` s of a ``RolloutContext``.
@@ -377,8 +430,8 @@ ROLLOUT_CHECKS: dict[str, RolloutCheck] = {
         RolloutCheck(
             "sampling",
             check_sampling,
-            "the sampled tokens are drawn from softmax(logits / T) (z-test at T = 0.7 and 1.0), not another "
-            "temperature or a filtered distribution",
+            "the sampled tokens are drawn from softmax(logits / T) (z-test at T = 0.7 and 1.0, all tokens "
+            "and the first tokens alone), not another temperature or a filtered distribution",
         ),
         RolloutCheck(
             "greedy",
@@ -393,7 +446,8 @@ ROLLOUT_CHECKS: dict[str, RolloutCheck] = {
         RolloutCheck(
             "n_samples",
             check_n_samples,
-            "a prompt repeated n times gets n rows in order, sampled independently, with correct log-probs",
+            "a prompt repeated n times gets n rows in order, sampled independently (their first tokens too), "
+            "with correct log-probs",
         ),
         RolloutCheck(
             "seed",
@@ -401,10 +455,23 @@ ROLLOUT_CHECKS: dict[str, RolloutCheck] = {
             "the same seed gives the same responses whatever the global RNG; another seed gives others",
         ),
         RolloutCheck(
+            "filters",
+            check_filters,
+            "with top-k or top-p on, every sampled token is one the filter keeps, and its log-prob is the "
+            "unfiltered log_softmax(logits / T)",
+        ),
+        RolloutCheck(
             "weight_sync",
             check_weight_sync,
-            "after update_weights with the weights of a training step, log-probs are the trained model's "
-            "(not the old one's); syncing the original weights back restores them",
+            "after update_weights with the weights of a training step, then with every weight changed, "
+            "log-probs are the new model's (not the old one's, nor those of tensors the rollout still "
+            "shares with the sender); syncing the original weights back restores them",
+        ),
+        RolloutCheck(
+            "weight_refusals",
+            check_weight_refusals,
+            "update_weights refuses an unknown name, a missing weight and a misshapen one with RolloutError "
+            "naming it, and the rollout refuses to generate until a complete update succeeds",
         ),
     )
 }

@@ -47,6 +47,15 @@ MIXED_PROMPT_LENGTHS = (1, 8, 3, 6, 2, 7, 4, 5)
 #: Responses per prompt in ``n_samples`` (each prompt repeated ``N_SAMPLES`` times in a row, as the
 #: trainer asks for ``rollout.n`` responses).
 N_SAMPLES = 4
+#: ``sampling``'s first tokens: prompts, each response's first token checked alone, at this
+#: temperature. A first token drawn at T = 1 when asked for 0.7 moves z by ~0.46 per token: z ~ -15.
+FIRST_TOKEN_PROMPTS = 1024
+FIRST_TOKEN_TEMPERATURE = 0.7
+#: ``n_samples``' independence test: prompts, each repeated ``N_SAMPLES`` times.
+INDEPENDENCE_PROMPTS = 32
+#: ``filters``: the top-k and top-p (nucleus) settings whose restrictions are checked, at T = 1.
+FILTER_TOP_K = 8
+FILTER_TOP_P = 0.5
 
 # -- tolerances (fp32 on CPU; a correct rollout differs from the reference by ~1e-6) -----------------
 
@@ -60,6 +69,13 @@ GREEDY_TIE_TOLERANCE = 1e-5
 #: ``sampling``: the largest ``|z|`` of the sampled tokens' mean log-probability under the reference's
 #: ``softmax(logits / T)`` (a correct rollout fails with probability ~6e-7 per temperature).
 SAMPLING_Z_LIMIT = 5.0
+#: ``sampling``: the largest ``|z|`` of the first tokens alone. Drawn independently from known
+#: distributions (one per prompt), so the chance that a correct rollout exceeds it is bounded
+#: exactly (Chernoff, on the kit's prompts): below 1e-7 per temperature (docs/conformance.md).
+FIRST_TOKEN_Z_LIMIT = 6.0
+#: ``n_samples``: the smallest chance, under independent draws, of as many prompts whose n first
+#: tokens repeat one as observed; a correct rollout falls below it with probability at most this.
+INDEPENDENCE_P_LIMIT = 1e-7
 #: ``weight_sync``: the trained weights must move the reference's log-probs of the sampled tokens by
 #: at least this (100 times the log-prob tolerance), or the check could not tell them from the old
 #: ones (the kit's training step moves them by up to ~0.25).
@@ -123,16 +139,18 @@ class RolloutContext:
         temperature: float = 1.0,
         max_new_tokens: int = 12,
         eos_token_ids: tuple[int, ...] = (EOS_TOKEN_ID,),
+        top_k: int = 0,
+        top_p: float = 1.0,
     ) -> TensorDict:
-        """The rollout's ``generate`` (top-k and top-p off), its result checked to have the keys the
-        checks read."""
+        """The rollout's ``generate`` (by default top-k and top-p off), its result checked to have the
+        keys the checks read."""
         sampling = SamplingParams(
             max_new_tokens=max_new_tokens,
             eos_token_ids=eos_token_ids,
             pad_token_id=PAD_TOKEN_ID,
             temperature=temperature,
-            top_k=0,
-            top_p=1.0,
+            top_k=top_k,
+            top_p=top_p,
         )
         output = self.rollout.generate([list(prompt) for prompt in prompts], sampling, seed)
         missing = [key for key in REQUIRED_KEYS if key not in output.keys()]
@@ -175,6 +193,15 @@ def rows_of(output: TensorDict) -> list[Row]:
             )
         )
     return rows
+
+
+def first_tokens(output: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``output`` with a response, and the first token of each (at the first column of
+    its ``response_mask``)."""
+    mask = output[RESPONSE_MASK].to("cpu").bool()
+    rows = mask.any(dim=-1).nonzero()[:, 0]
+    columns = mask[rows].int().argmax(dim=-1)
+    return rows, output[RESPONSES].to("cpu")[rows, columns]
 
 
 def reference_log_probs(

@@ -4,8 +4,9 @@ A rollout runs on one rank and owns no process group, so nothing is spawned: the
 up through the plugin registry as ``rollout.backend`` is, built on the kit's model
 (``save_rollout_model``) with the given options and initialised once, and every requested check of
 ``ROLLOUT_CHECKS`` runs against it in order. A check that raises is reported as ``error`` with its
-traceback and the next one runs; a rollout that cannot be built or initialised fails the run
-(``report.error``) and every check with it.
+traceback (``failed``, with what it saw, if a comparison had already failed) and the next one runs; a
+rollout that cannot be built or initialised fails the run (``report.error``) and every check with it.
+Checks the backend declares it fails (``expected_failed_checks``) are reported ``xfailed``, strictly.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from verl_core.testing.report import CheckOutcome, ConformanceReport, RankRecord
+from verl_core.testing.report import CheckOutcome, ConformanceReport, RankRecord, expected_failures, run_check
 
 
 def run_rollout_conformance(
@@ -32,6 +33,7 @@ def run_rollout_conformance(
     device: str = "cpu",
     model_dir: str | os.PathLike | None = None,
     workdir: str | os.PathLike | None = None,
+    expected_failed_checks: Mapping[str, str] | None = None,
 ) -> ConformanceReport:
     """Run the rollout conformance checks of rollout backend ``backend`` in this process.
 
@@ -43,6 +45,8 @@ def run_rollout_conformance(
     (default: all of ``ROLLOUT_CHECKS``). ``device`` is where the rollout runs (the reference runs on
     the CPU). ``model_dir`` is a model written by ``save_rollout_model`` (to share one between runs);
     by default one is built under ``workdir`` (kept for inspection), or in a temporary folder.
+    ``expected_failed_checks`` (``{check: reason}``) are the checks the backend knowingly fails,
+    reported ``xfailed`` when they fail and ``failed`` when they pass, as for ``run_conformance``.
 
     The caller's global RNG state and ``transformers``' logging settings are left as they were.
     """
@@ -56,6 +60,7 @@ def run_rollout_conformance(
         raise ValueError(
             f"unknown rollout conformance check(s) {unknown}; the checks are {list(ROLLOUT_CHECKS)}"
         )
+    expected = expected_failures(expected_failed_checks, ROLLOUT_CHECKS)
     rollout_class, options = resolve_rollout_backend(backend, options, plugins, autoload, device)
 
     devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
@@ -73,7 +78,8 @@ def run_rollout_conformance(
         name: CheckOutcome.merge(name, [record for record in records if record.check == name], 1)
         for name in selected
     }
-    return ConformanceReport(backend, 1, outcomes, error, kind="rollout")
+    report = ConformanceReport(backend, 1, outcomes, error, kind="rollout")
+    return report.expecting(expected)
 
 
 def resolve_rollout_backend(
@@ -112,7 +118,6 @@ def _run_checks(
     backend: str, rollout_class: type, options: Any, model_dir: str, device: str, selected: tuple[str, ...]
 ) -> tuple[list[RankRecord], str | None]:
     from verl_core.config.engine import ModelConfig
-    from verl_core.testing.context import CheckSkipped
     from verl_core.testing.rollout_checks import ROLLOUT_CHECKS, RolloutContext
 
     try:
@@ -121,15 +126,7 @@ def _run_checks(
     except Exception:
         return [], f"the rollout could not be built and initialised:\n{traceback.format_exc()}"
     ctx = RolloutContext(backend, rollout, model_dir, device)
-    records = []
-    for name in selected:
-        try:
-            records.append(RankRecord(name, 0, "passed", tuple(ROLLOUT_CHECKS[name].run(ctx))))
-        except CheckSkipped as skip:
-            records.append(RankRecord(name, 0, "skipped", reason=str(skip)))
-        except Exception:
-            records.append(RankRecord(name, 0, "error", reason=traceback.format_exc()))
-    return records, None
+    return [run_check(ROLLOUT_CHECKS[name], ctx, 0) for name in selected], None
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@
 plugin registry from module names (registries do not cross process boundaries), build the tiny
 model, and run every requested check in order. Each rank saves its records after every check, so a
 crash or a hang (the whole spawn has a hard timeout) still reports what finished and where it broke.
+Checks the backend declares it fails (``expected_failed_checks``) are reported ``xfailed``, strictly.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import os
 import pickle
 import shutil
 import tempfile
-import traceback
 import types
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from verl_core.testing.report import CheckOutcome, ConformanceReport, RankRecord
+from verl_core.testing.report import CheckOutcome, ConformanceReport, RankRecord, expected_failures, run_check
 from verl_core.testing.spawn import COLLECTIVE_TIMEOUT_S, ModuleRef, Rank, SpawnError, spawn
 
 if TYPE_CHECKING:
@@ -67,6 +67,7 @@ def run_conformance(
     device: str = "cpu",
     timeout_s: float = 600.0,
     workdir: str | os.PathLike | None = None,
+    expected_failed_checks: Mapping[str, str] | None = None,
 ) -> ConformanceReport:
     """Run the conformance checks of engine backend ``backend`` on ``world_size`` spawned ranks.
 
@@ -78,6 +79,9 @@ def run_conformance(
     (default: all of ``verl_core.testing.checks.CHECKS``). ``timeout_s`` bounds the whole spawn.
     ``workdir`` keeps the model, checkpoints and exports for inspection, under
     ``<workdir>/<backend>-world_size<N>`` (replaced by the next run); by default a temporary folder.
+    ``expected_failed_checks`` (``{check: reason}``) are the checks the backend knowingly fails: each
+    is reported ``xfailed`` with its reason when it fails or raises, and ``failed`` when it passes
+    (the declaration is out of date); a name that is not a check raises ``ValueError``.
     """
     from verl_core.testing.checks import CHECKS
 
@@ -85,6 +89,7 @@ def run_conformance(
     unknown = [name for name in selected if name not in CHECKS]
     if unknown:
         raise ValueError(f"unknown conformance check(s) {unknown}; the checks are {list(CHECKS)}")
+    expected = expected_failures(expected_failed_checks, CHECKS)
     plugin_modules = tuple(ModuleRef.of(plugin) for plugin in plugins)
 
     with tempfile.TemporaryDirectory(prefix="verl-conformance-") as scratch:
@@ -104,7 +109,8 @@ def run_conformance(
         )
         for name in selected
     }
-    return ConformanceReport(backend, world_size, outcomes, error)
+    report = ConformanceReport(backend, world_size, outcomes, error)
+    return report.expecting(expected)
 
 
 def resolve_backend(job: ConformanceJob) -> tuple[Any, Any, tuple[str, ...]]:
@@ -186,7 +192,7 @@ def _run_checks(rank: int, job: ConformanceJob, store: Any) -> None:
     import torch.distributed as dist
 
     from verl_core.testing.checks import CHECKS
-    from verl_core.testing.context import CheckSkipped, RankContext
+    from verl_core.testing.context import RankContext
     from verl_core.testing.tiny import ModelDirs, save_tiny_models
 
     workdir = Path(job.workdir)
@@ -200,16 +206,10 @@ def _run_checks(rank: int, job: ConformanceJob, store: Any) -> None:
     records: list[RankRecord] = []
     for index, name in enumerate(job.checks):
         _save_records(job.workdir, rank, records, running=name)
-        try:
-            comparisons = CHECKS[name].run(ctx)
-            record = RankRecord(name, rank, "passed", tuple(comparisons))
-        except CheckSkipped as skip:
-            record = RankRecord(name, rank, "skipped", reason=str(skip))
-        except Exception:
-            record = RankRecord(name, rank, "error", reason=traceback.format_exc())
+        record = run_check(CHECKS[name], ctx, rank)
         records.append(record)
         _save_records(job.workdir, rank, records, running=None)
-        if not _all_ranks_fine(store, name, rank, job.world_size, record.status != "error"):
+        if not _all_ranks_fine(store, name, rank, job.world_size, not record.raised):
             # A rank that raised may have left the others inside a collective it never joined;
             # the process group is no longer trustworthy, so stop here and report.
             reason = (

@@ -1,10 +1,11 @@
 """The conformance checks of an engine's state: a checkpoint that resumes exactly and refuses what it
 cannot load, the weight export for the rollout, the Hugging Face export, and offloading. See
-``checks`` for how checks run."""
+``checks`` for how checks run (each yields its comparisons as it makes them)."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from verl_core.testing.tiny import ModelDirs
 from verl_core.toolkit.checkpoint import MARKER_FILE
 
 
-def check_checkpoint(ctx: RankContext) -> list[Comparison]:
+def check_checkpoint(ctx: RankContext) -> Iterator[Comparison]:
     path = ctx.workdir / "checkpoint"
     original = ctx.engine(optim=SCHEDULE_OPTIM)
     for name in "AB":
@@ -47,43 +48,40 @@ def check_checkpoint(ctx: RankContext) -> list[Comparison]:
     expected = [(train_step(original, ctx.local_batch(name)), exported(original)) for name in "CA"]
     del original
 
+    yield Comparison(
+        "checkpoint",
+        "checkpoint present when save_checkpoint returns",
+        ctx.rank,
+        present,
+        f"{path} is in place on this rank"
+        if present
+        else f"{path} does not exist yet on this rank: "
+        "save_checkpoint returned before the writing rank finished (end it with a barrier over every "
+        "rank that calls it, as verl_core.engine.atomic_checkpoint does)",
+    )
     resumed = ctx.engine(optim=SCHEDULE_OPTIM)
     step = resumed.load_checkpoint(str(path))
     against = "uninterrupted run"
-    comparisons = [
-        Comparison(
-            "checkpoint",
-            "checkpoint present when save_checkpoint returns",
-            ctx.rank,
-            present,
-            f"{path} is in place on this rank"
-            if present
-            else f"{path} does not exist yet on this rank: "
-            "save_checkpoint returned before the writing rank finished (end it with a barrier over every "
-            "rank that calls it, as verl_core.engine.atomic_checkpoint does)",
-        ),
-        Comparison(
-            "checkpoint",
-            "global step",
-            ctx.rank,
-            step == 2,
-            f"load_checkpoint returned {step!r}, saved with global_step=2",
-        ),
-    ]
+    yield Comparison(
+        "checkpoint",
+        "global step",
+        ctx.rank,
+        step == 2,
+        f"load_checkpoint returned {step!r}, saved with global_step=2",
+    )
     for number, name, (metrics, params) in zip((3, 4), "CA", expected, strict=True):
         actual = train_step(resumed, ctx.local_batch(name))
         for key in ("loss", "grad_norm", "lr"):
-            comparisons += compare_runs(
+            yield from compare_runs(
                 "checkpoint", f"step {number} {key}", actual.get(key), metrics.get(key), ctx.rank, against
             )
-        comparisons += compare_runs(
+        yield from compare_runs(
             "checkpoint", f"parameters after step {number}", exported(resumed), params, ctx.rank, against
         )
     del resumed
-    comparisons.append(_refuses(ctx, "a checkpoint with a truncated file", _damaged_copy(ctx, path)))
-    comparisons.append(_refuses(ctx, "a checkpoint of another model", path, dirs=ctx.other_model_dirs()))
-    comparisons.append(_refuses(ctx, "a checkpoint of another backend", _foreign_checkpoint(ctx)))
-    return comparisons
+    yield _refuses(ctx, "a checkpoint with a truncated file", _damaged_copy(ctx, path))
+    yield _refuses(ctx, "a checkpoint of another model", path, dirs=ctx.other_model_dirs())
+    yield _refuses(ctx, "a checkpoint of another backend", _foreign_checkpoint(ctx))
 
 
 def _foreign_checkpoint(ctx: RankContext) -> Path:
@@ -136,10 +134,10 @@ def _refuses(ctx: RankContext, what: str, path: Path, dirs: ModelDirs | None = N
     return Comparison("checkpoint", quantity, ctx.rank, False, f"load_checkpoint({str(path)!r}) succeeded")
 
 
-def check_weight_export(ctx: RankContext) -> list[Comparison]:
+def check_weight_export(ctx: RankContext) -> Iterator[Comparison]:
     engine = ctx.engine()
     first = exported(engine)
-    comparisons = compare_state_dicts(
+    yield from compare_state_dicts(
         "weight_export",
         "get_per_tensor_param",
         first,
@@ -149,7 +147,7 @@ def check_weight_export(ctx: RankContext) -> list[Comparison]:
         against="Hugging Face state dict",
     )
     # The rollout pulls weights after every step: a second export must give the same again.
-    comparisons += compare_state_dicts(
+    yield from compare_state_dicts(
         "weight_export",
         "second get_per_tensor_param",
         exported(engine),
@@ -158,10 +156,9 @@ def check_weight_export(ctx: RankContext) -> list[Comparison]:
         ctx.rank,
         against="first export",
     )
-    return comparisons
 
 
-def check_hf_export(ctx: RankContext) -> list[Comparison]:
+def check_hf_export(ctx: RankContext) -> Iterator[Comparison]:
     path = str(ctx.workdir / "hf_export")
     engine = ctx.engine()
     train_step(engine, ctx.local_batch("A"))  # export trained weights, not the ones loaded
@@ -173,19 +170,18 @@ def check_hf_export(ctx: RankContext) -> list[Comparison]:
         present = (Path(path) / "config.json").is_file()
         returned()
     if not present:
-        return [
-            Comparison(
-                "hf_export",
-                "export present when save_hf_model returns",
-                ctx.rank,
-                False,
-                f"{path}/config.json does not exist yet on this rank: save_hf_model returned before the "
-                "writing rank finished (end it with a barrier over every rank that calls it: the DP group, "
-                "or the world for a model-parallel engine)",
-            )
-        ]
+        yield Comparison(
+            "hf_export",
+            "export present when save_hf_model returns",
+            ctx.rank,
+            False,
+            f"{path}/config.json does not exist yet on this rank: save_hf_model returned before the "
+            "writing rank finished (end it with a barrier over every rank that calls it: the DP group, "
+            "or the world for a model-parallel engine)",
+        )
+        return
     loaded = reference.load_reference_model(path, "lm")
-    comparisons = compare_state_dicts(
+    yield from compare_state_dicts(
         "hf_export",
         "from_pretrained(export)",
         loaded.state_dict().items(),
@@ -195,32 +191,27 @@ def check_hf_export(ctx: RankContext) -> list[Comparison]:
         against="reference after step 1",
     )
     if not engine.is_output_rank:
-        return comparisons
+        return
     if engine_outputs is None:
-        return [
-            *comparisons,
-            Comparison("hf_export", "outputs", ctx.rank, False, "infer_batch returned no outputs"),
-        ]
+        yield Comparison("hf_export", "outputs", ctx.rank, False, "infer_batch returned no outputs")
+        return
     # The export's own config decides its logits: a wrong rope_theta, norm epsilon or head count
     # shows here even when every tensor is right.
     from_export = reference.reference_outputs(loaded, ctx.share("A", ctx.dp_rank), "lm", KIT_TEMPERATURE)
     for name in (LOG_PROBS, ENTROPY):
-        comparisons.append(
-            compare_tensors(
-                "hf_export",
-                f"{name} of from_pretrained(export)",
-                from_export[name],
-                engine_outputs.get(name, None),
-                OUTPUT_TOLERANCE,
-                ctx.rank,
-                ctx.local_token_mask(),
-                against="engine's infer_batch",
-            )
+        yield compare_tensors(
+            "hf_export",
+            f"{name} of from_pretrained(export)",
+            from_export[name],
+            engine_outputs.get(name, None),
+            OUTPUT_TOLERANCE,
+            ctx.rank,
+            ctx.local_token_mask(),
+            against="engine's infer_batch",
         )
-    return comparisons
 
 
-def check_offload(ctx: RankContext) -> list[Comparison]:
+def check_offload(ctx: RankContext) -> Iterator[Comparison]:
     not_exercised = (
         "not exercised: the engine computes on the CPU, where to('cpu') and param/optimizer offload move "
         "nothing, so neither the move nor the round trip can be observed; run the kit with device='cuda'"
@@ -230,7 +221,7 @@ def check_offload(ctx: RankContext) -> list[Comparison]:
     probe = ctx.engine()
     if probe.device.type == "cpu":  # an engine that runs on the CPU whatever it is asked
         raise CheckSkipped(not_exercised)
-    comparisons = _offload_frees_device_memory(ctx, probe)
+    yield from _offload_frees_device_memory(ctx, probe)
     del probe
 
     def run(engine, round_trip: bool) -> dict[str, Any]:
@@ -258,7 +249,7 @@ def check_offload(ctx: RankContext) -> list[Comparison]:
     for label, results in variants.items():
         for key in ("log_probs A", "log_probs B"):
             if results[key] is not None and baseline[key] is not None:
-                comparisons += compare_runs(
+                yield from compare_runs(
                     "offload",
                     f"{label}: {key}",
                     results[key][LOG_PROBS],
@@ -268,7 +259,7 @@ def check_offload(ctx: RankContext) -> list[Comparison]:
                 )
         for key in ("step 1", "step 2"):
             for metric in ("loss", "grad_norm"):
-                comparisons += compare_runs(
+                yield from compare_runs(
                     "offload",
                     f"{label}: {key} {metric}",
                     results[key].get(metric),
@@ -276,7 +267,7 @@ def check_offload(ctx: RankContext) -> list[Comparison]:
                     ctx.rank,
                     against,
                 )
-        comparisons += compare_runs(
+        yield from compare_runs(
             "offload",
             f"{label}: parameters after step 2",
             results["parameters"],
@@ -284,7 +275,6 @@ def check_offload(ctx: RankContext) -> list[Comparison]:
             ctx.rank,
             against,
         )
-    return comparisons
 
 
 def _offload_frees_device_memory(ctx: RankContext, engine: BaseEngine) -> list[Comparison]:

@@ -24,10 +24,15 @@ A rollout backend likewise::
 
 One in-process run per class (a rollout owns no process group), one test per check of
 ``ROLLOUT_CHECKS`` (``test_rollout_conformance[weight_sync]``).
+
+A backend that knowingly fails a check declares it, with the reason, in ``expected_failed_checks``
+(as scikit-learn's estimators do): the test of that check is then an expected failure, and a strict
+one: once the check passes, its test fails, saying to remove the declaration.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import pytest
@@ -55,6 +60,10 @@ class EngineConformance:
     device: ClassVar[str] = "cpu"
     #: Hard limit on one run (all checks at one world size).
     timeout_s: ClassVar[float] = 600.0
+    #: The checks the backend knowingly fails, each with the reason: ``{"offload": "no CPU offload
+    #: yet, see issue 12"}``. At every world size, each is an expected failure (``xfailed``), and a
+    #: test failure once it passes.
+    expected_failed_checks: ClassVar[Mapping[str, str]] = {}
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         # pytest calls this method of a test class to parametrize its tests: one run per world size
@@ -85,6 +94,7 @@ class EngineConformance:
             autoload=cls.autoload,
             device=cls.device,
             timeout_s=cls.timeout_s,
+            expected_failed_checks=cls.expected_failed_checks,
         )
 
     def test_conformance(self, conformance_report: ConformanceReport, conformance_check: str) -> None:
@@ -106,6 +116,8 @@ class RolloutConformance:
     autoload: ClassVar[bool | None] = None
     #: Where the rollout runs (``cpu``, ``cuda``); the reference runs on the CPU.
     device: ClassVar[str] = "cpu"
+    #: The checks the backend knowingly fails, each with the reason: expected failures, strictly.
+    expected_failed_checks: ClassVar[Mapping[str, str]] = {}
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         # One test per check, generated from the list of checks: none can run unasserted.
@@ -124,6 +136,7 @@ class RolloutConformance:
             autoload=cls.autoload,
             device=cls.device,
             workdir=tmp_path_factory.mktemp("rollout-conformance"),
+            expected_failed_checks=cls.expected_failed_checks,
         )
 
     def test_rollout_conformance(self, rollout_report: ConformanceReport, rollout_check: str) -> None:
@@ -132,10 +145,12 @@ class RolloutConformance:
 
 
 def assert_check(report: ConformanceReport, check: str) -> None:
-    """Pass, skip or fail the calling test as ``report`` says of ``check``."""
+    """Pass, skip, xfail or fail the calling test as ``report`` says of ``check``."""
     outcome = report[check]
     if outcome.status == "skipped":
         pytest.skip("; ".join(outcome.reasons))
+    if outcome.status == "xfailed":
+        pytest.xfail(f"{report.subject}: {outcome.describe()}")
     if not outcome.passed:
         run_error = f"\n(the run itself broke: {report.error})" if report.error else ""
         pytest.fail(

@@ -44,6 +44,7 @@ class SelectedConformance(EngineConformance):
             checks=cls.checks,
             device=cls.device,
             timeout_s=cls.timeout_s,
+            expected_failed_checks=cls.expected_failed_checks,
         )
 
     def test_conformance(self, conformance_report: Any, conformance_check: str) -> None:

@@ -5,7 +5,7 @@ On one GPU: the whole conformance kit with the model on CUDA (FSDP2 over a one-r
 model built on meta and filled on the GPU, offload between GPU and CPU exercised). On two GPUs or more
 (NCCL runs one rank per GPU, so sp=2 needs two): the kit at (dp 1, sp 2) with the all-to-alls and
 gathers on NCCL, and the 2-rank job of ``test_ulysses.py`` on CUDA (sp=2 against plain PyTorch and the
-broken variants, meta-device init, the checkpoint across layouts, HSDP, bf16).
+broken variants, meta-device init, the checkpoint across layouts, HSDP, bf16, the head layouts).
 """
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ def cuda_job(ulysses_jobs, tmp_path_factory) -> list[dict[str, Any]]:
 
 
 @two_gpus
-@pytest.mark.parametrize("prop", ["equivalence", "meta_init", "checkpoint_across_layouts", "other_layouts"])
+@pytest.mark.parametrize(
+    "prop", ["equivalence", "meta_init", "checkpoint_across_layouts", "other_layouts", "head_layouts"]
+)
 def test_sp2_job_on_cuda(cuda_job, prop) -> None:
     failures = "\n".join(
         f"rank {rank}: {r[prop]['error']}" for rank, r in enumerate(cuda_job) if r[prop]["error"] is not None

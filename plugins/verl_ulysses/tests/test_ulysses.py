@@ -1,8 +1,10 @@
 """What is Ulysses-specific and the conformance kit does not look at, on spawned gloo ranks: sp=2
 against a single-process reference on a batch built to break the usual mistakes (an odd packed
 length, one KV head for two SP ranks, a response across the shard boundary), with the broken variants
-each caught; meta-device init from rank 0 (buffers recomputed, a forgetful loader caught); and a
-checkpoint saved at sp=2 loaded at (dp 2, sp 1) and in one process.
+each caught; the head layouts the kit's model (4 heads, 2 KV heads) never gives an SP rank, each
+against the reference, with the head-order bugs only they show caught; meta-device init from rank 0
+(buffers recomputed, a forgetful loader caught); and a checkpoint saved at sp=2 loaded at (dp 2, sp 1)
+and in one process.
 
 One 2-rank spawn (a spawn costs ~10 s, mostly imports): ``ulysses_jobs.py`` holds the properties (the
 rank side); each test here asserts one of them on every rank, with the rank's traceback when it fails.
@@ -51,6 +53,17 @@ def test_sp2_equals_one_process_and_each_broken_variant_is_caught(two_ranks) -> 
     figures = assert_holds(two_ranks, "equivalence")
     assert figures["layout"] == {"packed_length": 23, "padding": 1, "predicted_across_boundary": [11]}
     assert figures["no KV repeat"].startswith("raised")
+
+
+def test_head_layouts_at_sp2_equal_one_process_and_head_order_bugs_are_caught(
+    two_ranks, ulysses_jobs
+) -> None:
+    figures = assert_holds(two_ranks, "head_layouts")
+    assert [key for key in figures if "KV heads" in key] == [
+        f"{heads} heads, {kv_heads} KV heads" for heads, kv_heads in ulysses_jobs.HEAD_LAYOUTS
+    ]
+    assert figures["interleaved all-to-all on (8, 4)"]["gradients"] > ulysses_jobs.GRADIENT_ATOL
+    assert figures["tiled GQA on (8, 4)"]["gradients"] > ulysses_jobs.GRADIENT_ATOL
 
 
 def test_the_model_is_built_on_meta_and_filled_from_rank_0(two_ranks) -> None:

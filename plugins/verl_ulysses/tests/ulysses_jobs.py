@@ -74,22 +74,43 @@ class JobFailed(RuntimeError):
 # -- models and batches ----------------------------------------------------------------------------
 
 
+#: The head layouts (query heads, KV heads) ulysses accepts at sp 2 that ``head_layouts`` compares
+#: with the reference, beyond the kit's model (4, 2), which gives each SP rank two query heads and one
+#: KV head (and ``equivalence``'s (4, 1), one KV head repeated for the two ranks): every query head
+#: its own KV head (4, 4); two KV heads per rank, each shared by two query heads (8, 4), where KV
+#: heads paired with the wrong query heads show; four query heads per KV head (8, 2). At sp 4 the
+#: layouts are checked in one process, the ranks emulated (``test_plugin.py``): a 4-rank spawn costs
+#: about twice a 2-rank one.
+HEAD_LAYOUTS = ((4, 4), (8, 4), (8, 2))
+
+
 @attrs.frozen
 class Models:
-    """The kit's tiny Qwen2 (4 heads, 2 KV heads) and a variant with one KV head: fewer than sp=2."""
+    """The kit's tiny Qwen2 (4 heads, 2 KV heads), a variant with one KV head (fewer than sp=2), and
+    one per layout of ``HEAD_LAYOUTS``."""
 
     kit: ModelDirs
     one_kv_head: ModelDirs
+    workdir: Path
 
     @classmethod
     def under(cls, workdir: Path) -> Models:
-        return cls(ModelDirs.under(workdir / "model"), ModelDirs.under(workdir / "model_kv1"))
+        return cls(ModelDirs.under(workdir / "model"), ModelDirs.under(workdir / "model_kv1"), workdir)
+
+    def layout(self, heads: int, kv_heads: int) -> ModelDirs:
+        """The model with ``heads`` query heads and ``kv_heads`` KV heads (the kit's for (4, 2))."""
+        if (heads, kv_heads) == (4, 2):
+            return self.kit
+        return ModelDirs.under(self.workdir / f"model_h{heads}_kv{kv_heads}")
 
 
 def prepare(workdir: Path) -> Models:
     """Write the models (once per workdir)."""
     save_tiny_models(workdir / "model")
     save_tiny_models(workdir / "model_kv1", TinyModelSpec(num_key_value_heads=1))
+    for heads, kv_heads in HEAD_LAYOUTS:
+        spec = TinyModelSpec(num_attention_heads=heads, num_key_value_heads=kv_heads)
+        save_tiny_models(workdir / f"model_h{heads}_kv{kv_heads}", spec)
     return Models.under(workdir)
 
 
@@ -264,7 +285,83 @@ def _no_kv_repeat(x: torch.Tensor, sp_size: int) -> torch.Tensor:
     return x
 
 
+def _interleaved_sequence_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``_sequence_to_heads`` that sends rank ``r`` heads ``r, r + sp, r + 2 sp, ...`` (a reshape with the
+    head and rank dimensions swapped) instead of ``r H/sp ..``; ``_interleaved_heads_to_sequence``
+    puts every head back where it came from. Each head then attends as it should, so with one KV
+    head per query head (or one KV head in all) nothing changes; with grouped KV heads a rank pairs
+    query heads with KV heads of other groups."""
+    sp = torch.distributed.get_world_size(group)
+    local, heads, dim = x.shape
+    send = x.reshape(local, heads // sp, sp, dim).permute(2, 0, 1, 3).contiguous()
+    received = torch.empty_like(send)
+    torch.distributed.all_to_all_single(received, send, group=group)
+    return received.reshape(sp * local, heads // sp, dim)
+
+
+def _interleaved_heads_to_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    sp = torch.distributed.get_world_size(group)
+    total, heads, dim = x.shape
+    send = x.reshape(sp, total // sp, heads, dim).contiguous()
+    received = torch.empty_like(send)
+    torch.distributed.all_to_all_single(received, send, group=group)
+    return received.permute(1, 2, 0, 3).reshape(total // sp, heads * sp, dim)
+
+
+def _tiled_gqa(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``segment_attention`` that expands each rank's KV heads to its query heads itself, by tiling
+    (``repeat``: 0, 1, 0, 1), where grouped-query attention shares KV head ``j`` among consecutive
+    query heads (``repeat_interleave``: 0, 0, 1, 1, what transformers' ``repeat_kv`` does). With one
+    KV head per rank both are the same."""
+
+    def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        return original(query, key.repeat(1, groups, 1), value.repeat(1, groups, 1), *args, **kwargs)
+
+    return segment_attention
+
+
 # -- properties ------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Expected:
+    """The single-process reference on the straddling batch for one model: outputs, loss, gradients."""
+
+    outputs: dict[str, torch.Tensor]
+    loss: float
+    gradients: dict[str, torch.Tensor]
+
+    @classmethod
+    def of(cls, path: str) -> Expected:
+        samples = straddling_samples()
+        outputs = reference_outputs(load_reference_model(path, "lm"), samples, "lm", KIT_TEMPERATURE)
+        return cls(outputs, *reference_loss_and_gradients(path, samples))
+
+
+def measure(engine, expected: Expected) -> dict[str, float]:
+    """How far ``engine``'s log-probs and entropy (on its output ranks), loss and gradients on the
+    straddling batch (one packed row) are from ``expected``."""
+    batch = batch_of(straddling_samples())
+    outputs = infer(engine, batch)
+    loss, grads = gradients(engine, batch)
+    figures = {"loss": abs(loss - expected.loss), "gradients": max_state_diff(grads, expected.gradients)}
+    if outputs is not None:  # SP rank 0
+        mask = response_token_mask(batch)
+        figures["log_probs"] = max_diff(outputs["log_probs"], expected.outputs["log_probs"], mask)
+        figures["entropy"] = max_diff(outputs["entropy"], expected.outputs["entropy"], mask)
+    return figures
+
+
+def beyond_bounds(figures: dict[str, float]) -> list[str]:
+    """The quantities of ``measure``'s ``figures`` beyond the issue's bounds."""
+    bounds = {
+        "log_probs": OUTPUT_ATOL,
+        "entropy": OUTPUT_ATOL,
+        "loss": OUTPUT_ATOL,
+        "gradients": GRADIENT_ATOL,
+    }
+    return [f"{name} {value:.3g} > {bounds[name]}" for name, value in figures.items() if value > bounds[name]]
 
 
 def equivalence(ctx: Context) -> dict[str, Any]:
@@ -274,24 +371,16 @@ def equivalence(ctx: Context) -> dict[str, Any]:
     batch = batch_of(samples)
     path = ctx.models.one_kv_head.lm
     whole = MicroBatchConfig(micro_batch_size=len(samples))  # one packed row
-    expected = reference_outputs(load_reference_model(path, "lm"), samples, "lm", KIT_TEMPERATURE)
-    expected_loss, expected_grads = reference_loss_and_gradients(path, samples)
-    mask = response_token_mask(batch)
+    expected = Expected.of(path)
 
-    def measure(engine) -> dict[str, float]:
-        outputs = infer(engine, batch)
-        loss, grads = gradients(engine, batch)
-        figures = {"loss": abs(loss - expected_loss), "gradients": max_state_diff(grads, expected_grads)}
-        if outputs is not None:  # SP rank 0
-            figures["log_probs"] = max_diff(outputs["log_probs"], expected["log_probs"], mask)
-            figures["entropy"] = max_diff(outputs["entropy"], expected["entropy"], mask)
-        return figures
+    def measured() -> dict[str, float]:
+        return measure(ctx.engine(path, micro_batch=whole, sp_size=2), expected)
 
-    figures = {"layout": straddling_layout(), "sp2": measure(ctx.engine(path, micro_batch=whole, sp_size=2))}
+    figures = {"layout": straddling_layout(), "sp2": measured()}
     with patched(ulysses, "shard_sequence", _roll_after_the_split(ulysses.shard_sequence)):
-        figures["roll after the split"] = measure(ctx.engine(path, micro_batch=whole, sp_size=2))
+        figures["roll after the split"] = measured()
     with patched(ulysses, "gather_sequence", _no_backward_scaling(ulysses.gather_sequence)):
-        figures["no backward scaling"] = measure(ctx.engine(path, micro_batch=whole, sp_size=2))
+        figures["no backward scaling"] = measured()
     with patched(ulysses, "repeat_kv_heads", _no_kv_repeat):
         engine = ctx.engine(path, micro_batch=whole, sp_size=2)
         try:
@@ -301,14 +390,7 @@ def equivalence(ctx: Context) -> dict[str, Any]:
         else:
             figures["no KV repeat"] = "ran"
 
-    correct = figures["sp2"]
-    problems = [
-        f"sp2 {name}: {value:.3g} > {bound}"
-        for name, bound in (("log_probs", OUTPUT_ATOL), ("entropy", OUTPUT_ATOL), ("loss", OUTPUT_ATOL))
-        if (value := correct.get(name, 0.0)) > bound
-    ]
-    if correct["gradients"] > GRADIENT_ATOL:
-        problems.append(f"sp2 gradients: {correct['gradients']:.3g} > {GRADIENT_ATOL}")
+    problems = [f"sp2 {beyond}" for beyond in beyond_bounds(figures["sp2"])]
     roll = figures["roll after the split"]
     if ctx.rank == 0 and roll["log_probs"] <= OUTPUT_ATOL:
         problems.append(f"rolling after the split went unnoticed: log_probs {roll['log_probs']:.3g}")
@@ -462,8 +544,70 @@ def other_layouts(ctx: Context) -> dict[str, Any]:
     return figures
 
 
+@attrs.frozen
+class LayoutBug:
+    """A broken variant of ``ulysses`` that head layouts tell apart: ``patches`` replace its functions
+    (each given the original), ``caught_on`` are layouts where it must be caught, ``right_on`` one
+    where it is right (why a layout that cannot see it is not enough)."""
+
+    name: str
+    patches: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]
+    caught_on: tuple[int, int]
+    right_on: tuple[int, int]
+
+
+#: The broken variants ``head_layouts`` runs.
+LAYOUT_BUGS = (
+    LayoutBug(
+        "interleaved all-to-all",
+        {
+            "_sequence_to_heads": lambda original: _interleaved_sequence_to_heads,
+            "_heads_to_sequence": lambda original: _interleaved_heads_to_sequence,
+        },
+        caught_on=(8, 4),
+        right_on=(4, 4),
+    ),
+    LayoutBug("tiled GQA", {"segment_attention": _tiled_gqa}, caught_on=(8, 4), right_on=(4, 2)),
+)
+
+
+def head_layouts(ctx: Context) -> dict[str, Any]:
+    """At sp 2, each layout of ``HEAD_LAYOUTS`` against the single-process reference on the straddling
+    batch, and ``LAYOUT_BUGS``' variants caught where they must be (and right where they must be): an
+    all-to-all that interleaves the heads over the ranks, right where every query head has its own KV
+    head (4, 4), caught with grouped ones; KV heads expanded to their query heads by tiling, caught
+    with two KV heads per rank (8, 4), right with one, as the kit's model has."""
+    sp = 2
+    whole = MicroBatchConfig(micro_batch_size=len(straddling_samples()))  # one packed row
+    expected: dict[tuple[int, int], Expected] = {}
+
+    def run(layout: tuple[int, int]) -> dict[str, float]:
+        path = ctx.models.layout(*layout).lm
+        expected.setdefault(layout, Expected.of(path))
+        return measure(ctx.engine(path, micro_batch=whole, sp_size=sp), expected[layout])
+
+    figures: dict[str, Any] = {"layout": straddling_layout(sp)}
+    problems = []
+    for heads, kv_heads in HEAD_LAYOUTS:
+        measured = figures[f"{heads} heads, {kv_heads} KV heads"] = run((heads, kv_heads))
+        problems += [f"sp{sp}, ({heads}, {kv_heads}): {beyond}" for beyond in beyond_bounds(measured)]
+    for bug in LAYOUT_BUGS:
+        with contextlib.ExitStack() as stack:
+            for function, broken in bug.patches.items():
+                stack.enter_context(patched(ulysses, function, broken(getattr(ulysses, function))))
+            caught, right = run(bug.caught_on), run(bug.right_on)
+        figures[f"{bug.name} on {bug.caught_on}"], figures[f"{bug.name} on {bug.right_on}"] = caught, right
+        if not beyond_bounds(caught):
+            problems.append(f"{bug.name} went unnoticed on {bug.caught_on}: {caught}")
+        if beyond_bounds(right):
+            problems.append(f"{bug.name} should be right on {bug.right_on}: {right}")
+    if problems:
+        raise AssertionError("\n".join(problems))
+    return figures
+
+
 JOBS: dict[str, list[Callable[[Context], dict[str, Any]]]] = {
-    "sp2": [equivalence, meta_init, checkpoint_across_layouts, other_layouts],
+    "sp2": [equivalence, meta_init, checkpoint_across_layouts, other_layouts, head_layouts],
 }
 
 

@@ -32,7 +32,12 @@ PROMPTS = [[3, 9, 17], [44], [8, 8, 8, 8, 8, 2], [10, 11]]
 
 def qwen2(**changes) -> torch.nn.Module:
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(**SHAPE, **HEADS, **changes)).eval()
+    model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, **HEADS, **changes)).eval()
+    with torch.no_grad():  # Hugging Face starts biases at zero: a decoder that dropped them would pass
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(std=0.5)
+    return model
 
 
 def llama(**changes) -> torch.nn.Module:

@@ -23,6 +23,7 @@ from verl_core.config.names import current_registry, functions_file_problem, reg
 from verl_core.config.validators import InvalidValue, each_rule, in_range, non_empty, non_negative, positive
 from verl_core.errors import VerlCoreError
 from verl_core.hookspecs import ADVANTAGE_ESTIMATORS, ENVIRONMENTS, REWARD_FUNCTIONS
+from verl_core.rollout.config import HFRolloutConfig, packing_dtype_problem
 
 #: Whether the RL trainer's cross-section rules apply to the config being loaded: ``load_config``
 #: switches them off for SFT (``rl_rules=False``), which reads no estimator, rollout group or PPO
@@ -327,7 +328,10 @@ class RunConfig:
             return
         # Independent rules: each runs on what structured, even when another section has errors.
         yield from each_rule(
-            self._mini_batches_divide_the_batch, self._groups_to_compare, self._values_have_a_critic
+            self._mini_batches_divide_the_batch,
+            self._groups_to_compare,
+            self._values_have_a_critic,
+            self._rollout_weight_layout_serves_its_dtype,
         )
 
     def _mini_batches_divide_the_batch(self) -> Iterator[tuple[str, str]]:
@@ -364,6 +368,15 @@ class RunConfig:
                 f"adv_estimator '{estimator}' needs a critic's values: set critic.enable=true and a "
                 "critic.engine, or choose an estimator without a critic (algorithm.adv_estimator=grpo)",
             )
+
+    def _rollout_weight_layout_serves_its_dtype(self) -> Iterator[tuple[str, str]]:
+        # The CPU's part of the rule is the rollout's to check, on the machine it runs on.
+        options = self.rollout.options
+        if isinstance(options, HFRolloutConfig):
+            where = f" ({'rollout.dtype' if self.rollout.dtype else 'actor.engine.model.dtype'})"
+            problem = packing_dtype_problem(options.weight_packing, self.rollout_model.dtype, where)
+            if problem:
+                yield f"rollout.{self.rollout.backend}.weight_packing", problem
 
     def ignored(self) -> Iterator[tuple[str, str]]:
         if self.ref.engine is not None and not self.uses_kl:

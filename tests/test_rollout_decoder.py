@@ -3,7 +3,7 @@ prefill and at every step, with left-padded prompts, rows dropped and repeated, 
 biases) and Llama (tied embeddings, no biases), on every path (dtype x weight layout x fused or
 separate) forced in turn, each shown to fail when its products are broken; a path this machine cannot
 run is skipped, saying why. The paths ``auto`` chooses from the CPU's capabilities, the rollout's
-options that select one, and the architectures it must refuse."""
+options that select one, the architectures it must refuse, and (marked ``gpu``) the same on CUDA."""
 
 from __future__ import annotations
 
@@ -485,3 +485,47 @@ def test_a_rollout_frees_its_cache_and_weight_copies_between_generations(tmp_pat
     expected = fresh.generate(PROMPTS, sampling, seed=3)
     assert torch.equal(again["responses"], expected["responses"])
     assert not torch.equal(again["responses"], first["responses"])
+
+
+# -- on a GPU ---------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: the GPU path runs on a GPU"
+)
+#: On a GPU the products read the weights as they are (``auto`` is plain): the plain paths, each dtype.
+GPU_PATHS = [path for path in decoder_paths() if path.packing == "plain"]
+#: Both sides' CUDA kernels (SDPA, products) may reduce in other orders than on the CPU.
+GPU_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("path", GPU_PATHS, ids=str)
+@pytest.mark.parametrize("build", [qwen2, llama], ids=["qwen2", "llama"])
+def test_on_cuda_every_path_computes_the_models_own_logits(build, path) -> None:
+    model, lean = forced(build, path, device="cuda")
+    assert LeanDecoder.for_model(model).path == DecoderPath(path.dtype, "plain", False)  # auto, on a GPU
+    tolerance = GPU_TOLERANCE[path.dtype]
+    assert_same_logits(lean, HFDecoder(model), update_model=model, tolerance=tolerance, device="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_cuda_the_comparison_catches_products_that_drop_the_bias(monkeypatch) -> None:
+    model, lean = forced(qwen2, DecoderPath(torch.float32, "plain", False), device="cuda")
+    monkeypatch.setattr(decoder_module, "_plain_linear", without_bias(decoder_module._plain_linear, 2))
+    with pytest.raises(AssertionError, match="prefill"):
+        assert_same_logits(lean, HFDecoder(model), tolerance=GPU_TOLERANCE[torch.float32], device="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_cuda_the_rollout_samples_the_same_tokens_either_way(tmp_path) -> None:
+    qwen2().save_pretrained(tmp_path)
+    lean, lean_output = rollout_output(tmp_path, device="cuda")
+    assert isinstance(lean._decoder, LeanDecoder) and lean._decoder.path.packing == "plain"
+    _, hf_output = rollout_output(tmp_path, device="cuda", lean_decoder=False)
+    assert torch.equal(lean_output["responses"], hf_output["responses"])
+    torch.testing.assert_close(
+        lean_output["rollout_log_probs"], hf_output["rollout_log_probs"], atol=1e-4, rtol=0
+    )

@@ -389,24 +389,36 @@ def rollout_output(path, device: str = "cpu", **options) -> tuple[HFRollout, dic
     return rollout, rollout.generate(PROMPTS * 2, ROLLOUT_SAMPLING, seed=7)
 
 
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2")
+    qwen2().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_output(qwen2_dir) -> dict:
+    """What the rollout samples with the model's own forward."""
+    rollout, output = rollout_output(qwen2_dir, lean_decoder=False)
+    assert isinstance(rollout._decoder, HFDecoder)
+    return output
+
+
 @pytest.mark.parametrize(
     ("weight_packing", "fused_projections"),
     [("auto", "auto"), ("plain", False), ("plain", True), ("mkl", False), ("mkl", True)],
 )
 def test_the_rollout_samples_the_same_tokens_on_the_path_its_options_choose(
-    tmp_path, weight_packing, fused_projections
+    qwen2_dir, hf_output, weight_packing, fused_projections
 ) -> None:
     if weight_packing == "mkl":
         runnable(DecoderPath(torch.float32, "mkl", fused_projections))
-    qwen2().save_pretrained(tmp_path)
     options = {"weight_packing": weight_packing, "fused_projections": fused_projections}
-    lean, lean_output = rollout_output(tmp_path, **options)
-    if weight_packing == "auto":  # the demo-sized weights stay plain: auto packs large ones only
+    lean, lean_output = rollout_output(qwen2_dir, **options)
+    if weight_packing == "auto":  # the path of weights large enough to pack (these tiny ones stay plain)
         assert lean._decoder.path == DecoderPath(torch.float32, default_packing(torch.float32), False)
     else:
         assert lean._decoder.path == DecoderPath(torch.float32, weight_packing, fused_projections)
-    hf, hf_output = rollout_output(tmp_path, lean_decoder=False)
-    assert isinstance(hf._decoder, HFDecoder)
     assert torch.equal(lean_output["responses"], hf_output["responses"])
     torch.testing.assert_close(
         lean_output["rollout_log_probs"], hf_output["rollout_log_probs"], atol=1e-5, rtol=0
@@ -415,11 +427,10 @@ def test_the_rollout_samples_the_same_tokens_on_the_path_its_options_choose(
 
 @pytest.mark.usefixtures("avx2_only_cpu")
 def test_a_layout_the_rollouts_cpu_cannot_compute_is_refused_at_its_key_before_the_model_loads(
-    tmp_path,
+    qwen2_dir,
 ) -> None:
-    qwen2().save_pretrained(tmp_path)
     rollout = HFRollout(
-        ModelConfig(path=str(tmp_path), dtype="bfloat16"), HFRolloutConfig(weight_packing="onednn")
+        ModelConfig(path=str(qwen2_dir), dtype="bfloat16"), HFRolloutConfig(weight_packing="onednn")
     )
     with pytest.raises(ConfigError) as raised:
         rollout.initialize()

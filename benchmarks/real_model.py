@@ -96,14 +96,18 @@ def multinomial_draw(log_probs: torch.Tensor, generator: torch.Generator | None)
 def rollout_variants(only: str | None = None) -> list[tuple[str, str, dict[str, Any]]]:
     """(name, dtype, options): the rollout before these changes, then each change on its own."""
     variants = [
-        ("multinomial, plain products", "float32", {"sampler": "multinomial", "fuse": False, "pack": False}),
-        ("inverse-CDF sampling", "float32", {"fuse": False, "pack": False}),
-        ("+ fused q/k/v, gate/up", "float32", {"fuse": True, "pack": False}),
-        ("+ MKL-packed weights", "float32", {"fuse": False, "pack": True}),
-        ("+ MKL-packed and fused", "float32", {"fuse": True, "pack": True}),
-        ("bfloat16, plain products", "bfloat16", {"fuse": False, "pack": False}),
-        ("bfloat16, oneDNN-packed, separate", "bfloat16", {"fuse": False, "pack": True}),
-        ("bfloat16, oneDNN-packed and fused", "bfloat16", {"fuse": True, "pack": True}),  # the default
+        (
+            "multinomial, plain products",
+            "float32",
+            {"sampler": "multinomial", "fuse": False, "packing": "plain"},
+        ),
+        ("inverse-CDF sampling", "float32", {"fuse": False, "packing": "plain"}),
+        ("+ fused q/k/v, gate/up", "float32", {"fuse": True, "packing": "plain"}),
+        ("+ MKL-packed weights", "float32", {"fuse": False, "packing": "auto"}),
+        ("+ MKL-packed and fused", "float32", {"fuse": True, "packing": "auto"}),
+        ("bfloat16, plain products", "bfloat16", {"fuse": False, "packing": "plain"}),
+        ("bfloat16, oneDNN-packed, separate", "bfloat16", {"fuse": False, "packing": "auto"}),
+        ("bfloat16, oneDNN-packed and fused", "bfloat16", {"fuse": True, "packing": "auto"}),  # the default
     ]
     return [variant for variant in variants if only is None or only in variant[0]]
 
@@ -135,7 +139,9 @@ def measure_rollout(model_dir: Path, args: argparse.Namespace, limits: dict[str,
     for name, dtype, options in rollout_variants(args.variants):
         rollout = HFRollout(ModelConfig(path=str(model_dir), dtype=dtype))
         rollout.initialize()
-        rollout._decoder = LeanDecoder(rollout.model, fuse=options["fuse"], pack=options["pack"])
+        # auto: packed where this CPU's kernels serve the dtype and the weight is large enough (as a run).
+        rollout._decoder = LeanDecoder(rollout.model, fuse=options["fuse"], packing=options["packing"])
+        print(f"{name}: decoder path {rollout._decoder.path}", file=sys.stderr)
         # Decoding steps only: the weights' copies are made once here, where a training run remakes them
         # (about two steps' time) at every rollout after a weight update; the GRPO part pays that.
         rollout._decoder.release = lambda: None

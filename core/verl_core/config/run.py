@@ -336,7 +336,10 @@ class RunConfig:
             return
         # Independent rules: each runs on what structured, even when another section has errors.
         yield from each_rule(
-            self._mini_batches_divide_the_batch, self._groups_to_compare, self._values_have_a_critic
+            self._mini_batches_divide_the_batch,
+            self._groups_to_compare,
+            self._values_have_a_critic,
+            self._rollout_options_fit_its_model,
         )
 
     def _mini_batches_divide_the_batch(self) -> Iterator[tuple[str, str]]:
@@ -373,6 +376,16 @@ class RunConfig:
                 f"adv_estimator '{estimator}' needs a critic's values: set critic.enable=true and a "
                 "critic.engine, or choose an estimator without a critic (algorithm.adv_estimator=grpo)",
             )
+
+    def _rollout_options_fit_its_model(self) -> Iterator[tuple[str, str]]:
+        # A rollout backend's options may check themselves against the model the rollout loads
+        # (``check_model``: the built-in hf rollout's forced weight layout against the dtype); the
+        # config knows no backend, so it asks any options class that has the method.
+        check_model = getattr(self.rollout.options, "check_model", None)
+        if check_model is not None:
+            dtype_key = "rollout.dtype" if self.rollout.dtype else "actor.engine.model.dtype"
+            for key, message in check_model(self.rollout_model.dtype, dtype_key):
+                yield f"rollout.{self.rollout.backend}.{key}", message
 
     def ignored(self) -> Iterator[tuple[str, str]]:
         if self.ref.engine is not None and not self.uses_kl:

@@ -6,31 +6,38 @@ and feed one token per row per ``step``, returning the logits of each row's next
 one column per step.
 
 On CPU most of a Hugging Face decoding step is spent outside its matrix products: module calls, the
-attention mask rebuilt every step, a cache that grows by concatenation (measured on the demo's 4M
-model: about 0.19 of 0.23 s per GRPO rollout). This computes the same forward pass from the model's
-own parameters with none of that: a preallocated KV cache written in place, the rotary cos/sin looked
-up from a table the model's own rotary embedding computed, fused ``rms_norm``, and one SDPA call per
-layer. Its matrix products (``Projection``) read the model's weights, or on a CPU (for weights large
-enough to pay for it) a copy laid out for MKL's and oneDNN's kernels that is remade whenever a weight
-changes, so a weight update is seen by the next step. ``fuse`` computes q/k/v and gate/up as one
-product each: by default only where it costs no memory, the oneDNN-packed (bfloat16, float16) weights,
-whose packed copy is the fused one (2-7% less time per step, one call's overhead saved per fused
-product); elsewhere it would copy those weights for a gain within noise (docs/benchmarks.md).
+attention mask rebuilt every step, a cache that grows by concatenation. This computes the same forward
+pass from the model's own parameters with none of that: a preallocated KV cache written in place, the
+rotary cos/sin looked up from a table the model's own rotary embedding computed, fused ``rms_norm``,
+and one SDPA call per layer.
+
+Its matrix products (``Projection``) take one of the decoder's paths (``DecoderPath``): the weights'
+dtype, their layout (``Packing``: as they are, or on a CPU a copy laid out for MKL's float32 or
+oneDNN's bfloat16/float16 kernels, remade whenever a weight changes, so a weight update is seen by the
+next step), and q/k/v and gate/up computed as one product each (fused) or not. ``packing="auto"``
+chooses the layout from the device and what torch reports this CPU's kernels support
+(``default_packing``), for weights large enough to pay for a copy; fused by default only where the
+copy is oneDNN's, which is then the fused weight at no memory cost. A forced path the machine cannot
+run is refused, saying why (``packing_problem``). What each choice gained, on which CPU:
+docs/benchmarks.md ("The decoder's paths").
 
 ``LeanDecoder.for_model(model)`` returns ``None`` for a model it does not cover (another
 architecture, sliding-window layers, a rotary scaling that depends on the sequence length, biases
 in the MLP): ``HFRollout`` then decodes with the model's own forward. Logits match that forward to
-float rounding (tests/test_rollout_decoder.py).
+float rounding on every path (tests/test_rollout_decoder.py).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import inspect
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+
+from verl_core.rollout.config import PACKED_DTYPE_NAMES, PACKINGS, Packing, packing_dtype_problem
 
 #: Architectures whose layers are all ``x + attn(norm(x))``, ``x + mlp(norm(x))`` with SwiGLU, RMSNorm,
 #: rotary attention with grouped KV heads, and QKV biases at most (Qwen2's).
@@ -38,11 +45,43 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 #: Rotary variants whose cos/sin depend on the position only (not on the sequence length).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
+#: The weight dtypes each packed layout (``Packing``) serves.
+PACKED_DTYPES: dict[Packing, tuple[torch.dtype, ...]] = {
+    packing: tuple(getattr(torch, name) for name in names) for packing, names in PACKED_DTYPE_NAMES.items()
+}
+DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
-def decoder_for(model: torch.nn.Module, lean: bool, pack: bool = True) -> HFDecoder | LeanDecoder:
-    """``LeanDecoder`` (with packed weights when ``pack``) when ``lean`` and it covers ``model``, else
+
+@dataclasses.dataclass(frozen=True)
+class DecoderPath:
+    """Which products a ``LeanDecoder`` computes: its weights' ``dtype``, their layout (``packing``) and
+    whether q/k/v and gate/up are one product each (``fused``)."""
+
+    dtype: torch.dtype
+    packing: Packing
+    fused: bool
+
+    def __str__(self) -> str:
+        return f"{_dtype_name(self.dtype)}-{self.packing}-{'fused' if self.fused else 'separate'}"
+
+
+def decoder_paths() -> list[DecoderPath]:
+    """Every path: each dtype with each layout that serves it, fused and separate."""
+    return [
+        DecoderPath(dtype, packing, fused)
+        for dtype in DTYPES
+        for packing in PACKINGS
+        if packing == "plain" or dtype in PACKED_DTYPES[packing]
+        for fused in (True, False)
+    ]
+
+
+def decoder_for(
+    model: torch.nn.Module, lean: bool, packing: Packing | Literal["auto"] = "auto", fuse: bool | None = None
+) -> HFDecoder | LeanDecoder:
+    """``LeanDecoder`` (with ``packing`` and ``fuse``) when ``lean`` and it covers ``model``, else
     ``HFDecoder``."""
-    return (LeanDecoder.for_model(model, pack=pack) if lean else None) or HFDecoder(model)
+    return (LeanDecoder.for_model(model, packing=packing, fuse=fuse) if lean else None) or HFDecoder(model)
 
 
 class HFDecoder:
@@ -88,12 +127,33 @@ class HFDecoder:
 
 
 class LeanDecoder:
-    """Prefill, then one token per row per step, over a KV cache of fixed capacity."""
+    """Prefill, then one token per row per step, over a KV cache of fixed capacity.
 
-    def __init__(self, model: torch.nn.Module, fuse: bool | None = None, pack: bool = True):
+    ``packing``: the weights' layout, ``auto`` (``default_packing`` for the model's dtype and device,
+    for weights of at least ``PACKED_MIN_ELEMENTS``; smaller ones stay plain) or a ``Packing`` forced on
+    every weight (a ``ValueError`` saying why where this machine cannot: ``packing_problem``).
+    ``fuse``: q/k/v and gate/up as one product each; ``None``: where oneDNN-packed. ``path`` is the
+    path taken (by every weight when forced; by the large ones under ``auto``).
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, fuse: bool | None = None, packing: Packing | Literal["auto"] = "auto"
+    ):
         self.model = model
         self.layers = list(model.model.layers)
-        group = functools.partial(Projection.of, fuse=fuse, pack=pack)
+        weight = model.lm_head.weight
+        if packing == "auto":
+            chosen, min_elements = default_packing(weight.dtype, weight.device), PACKED_MIN_ELEMENTS
+        else:
+            problem = packing_problem(packing, weight.dtype, weight.device)
+            if problem:
+                raise ValueError(f"LeanDecoder(packing={packing!r}): {problem}")
+            chosen, min_elements = packing, 0
+        self.path = DecoderPath(weight.dtype, chosen, chosen == "onednn" if fuse is None else fuse)
+
+        def group(linears: list[torch.nn.Linear]) -> Projection:
+            return Projection.of(linears, chosen, fuse, min_elements)
+
         #: Per layer: q/k/v, the attention's output, gate/up, down.
         self.projections = [
             (
@@ -165,7 +225,7 @@ class LeanDecoder:
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep the cache rows ``rows`` (in that order; a row may repeat)."""
-        # index_select: on the CPU about 3x faster than advanced indexing for these copies.
+        # index_select: on the CPU faster than advanced indexing for these copies (docs/benchmarks.md).
         self.keys = [keys.index_select(0, rows) for keys in self.keys]
         self.values = [values.index_select(0, rows) for values in self.values]
         self.key_mask = self.key_mask.index_select(0, rows)
@@ -237,16 +297,13 @@ class LeanDecoder:
         return hidden
 
 
-#: The smallest weight (elements) worth a packed copy. Below it the copy costs more than its products
-#: gain: whole rollouts (weights updated before each) of the demo's 0.5M and 4M models (widths 128 and
-#: 256, weights of up to 262k elements) took 20-30% longer with every weight packed, in float32, and
-#: no less time in bfloat16; SmolLM2-135M's (width 576: 332k to 885k, and the 28M head) took 5-9% less
-#: (docs/benchmarks.md).
+#: The smallest weight (elements) ``auto`` packs: below it the copy (and the padding of rows that
+#: finished) costs more than its products gain; the demo's models' weights are below it, SmolLM2-135M's
+#: above (docs/benchmarks.md, "The decoder's paths").
 PACKED_MIN_ELEMENTS = 300_000
 #: The float32 products that use MKL's packed weights: decoding steps (one token per row) of 3 to 64
-#: rows. One or two rows read the weights at the bandwidth's pace plainly (SmolLM2-135M's layers, 2
-#: threads: 1 row 24.5 GB/s plain, 22.2 packed; 4 rows 13.1 and 19.1; 16 rows 10.2 and 13.2); more
-#: rows, and prefills, are compute-bound, and the plain product serves them as well.
+#: rows. One or two rows read the weights at the bandwidth's pace plainly; more rows, and prefills,
+#: are compute-bound, and the plain product serves them as well (docs/benchmarks.md).
 MKL_PACKED_ROWS = range(3, 65)
 
 
@@ -255,30 +312,28 @@ class Projection:
     up): ``[..., in]`` -> one ``[..., out_i]`` per layer, from copies of their weights laid out for
     this device's kernels.
 
-    - ``fuse``: the layers' weights side by side, one product instead of several (``None``: when the
-      weights are oneDNN-packed, whose copy the fused weight then is, at no memory cost).
-    - ``pack`` on a CPU: bfloat16/float16 weights in oneDNN's blocked layout (AMX, AVX-512 BF16), for
-      any number of rows; float32 weights in MKL's packed layout, made for the number of rows of a
-      decoding step (``MKL_PACKED_ROWS``): a plain float32 product of a few rows spends much of its
-      time re-laying-out the weight, every call. A packed copy serves products of up to as many rows
-      as it was made for (fewer are padded up to it, as rows finish); it is remade for more rows, or
-      for a quarter as many (making one costs about two decoding steps: 0.13 s for SmolLM2-135M).
+    - ``fuse``: the layers' weights side by side, one product instead of several.
+    - ``packing`` (a CPU's): ``onednn``, bfloat16/float16 weights in oneDNN's blocked layout, for any
+      number of rows; ``mkl``, float32 weights in MKL's packed layout, made for the number of rows of
+      a decoding step (``MKL_PACKED_ROWS``; other products are plain): a plain float32 product of a
+      few rows spends much of its time re-laying-out the weight, every call. A packed copy serves
+      products of up to as many rows as it was made for (fewer are padded up to it, as rows finish);
+      it is remade for more rows, or for a quarter as many (making one costs about two decoding steps).
 
     A copy is remade when a source weight changes (a weight update writes in place: its version
     counter moves), so the decoder always computes with the model's current weights.
     """
 
-    def __init__(self, linears: list[torch.nn.Linear], fuse: bool, packing: str | None):
+    def __init__(self, linears: list[torch.nn.Linear], fuse: bool, packing: Packing):
         self.linears = linears
         self.fused = fuse and len(linears) > 1
-        #: ``"onednn"``, ``"mkl"`` or ``None`` (plain products).
         self.packing = packing
         self.sizes = [linear.weight.shape[0] for linear in linears]
         self.sources = [
             tensor for linear in linears for tensor in (linear.weight, linear.bias) if tensor is not None
         ]
         #: Whether the products read copies (fused or packed) that must follow the weights.
-        self.copies = self.fused or packing is not None
+        self.copies = self.fused or packing != "plain"
         self._key: tuple = ()
         #: One (weight, bias) per product: the fused layers', or each layer's (the parameters
         #: themselves when nothing is copied: they always hold the current weights).
@@ -290,11 +345,14 @@ class Projection:
         self._packed_rows = 0
 
     @classmethod
-    def of(cls, linears: list[torch.nn.Linear], fuse: bool | None, pack: bool) -> Projection:
-        """The projection of ``linears``: fused and packed as asked where that applies (packed when the
-        first weight has at least ``PACKED_MIN_ELEMENTS``; ``fuse=None``: fused when oneDNN-packed)."""
-        weight = linears[0].weight
-        packing = packing_for(weight) if pack and weight.numel() >= PACKED_MIN_ELEMENTS else None
+    def of(
+        cls, linears: list[torch.nn.Linear], packing: Packing, fuse: bool | None, min_elements: int = 0
+    ) -> Projection:
+        """The projection of ``linears`` in ``packing`` when the first weight has at least
+        ``min_elements`` (else plain); fused as ``fuse`` says (``None``: when oneDNN-packed, whose copy
+        the fused weight then is, at no memory cost)."""
+        if linears[0].weight.numel() < min_elements:
+            packing = "plain"
         return cls(linears, packing == "onednn" if fuse is None else fuse, packing)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -306,7 +364,7 @@ class Projection:
         elif self.packing == "mkl" and rows in MKL_PACKED_ROWS and (x.dim() == 2 or x.shape[-2] == 1):
             outs = self._mkl(x, rows)
         else:
-            outs = [F.linear(x, w, b) for w, b in self._products]
+            outs = [_plain_linear(x, w, b) for w, b in self._products]
         return outs[0].split(self.sizes, dim=-1) if self.fused else tuple(outs)
 
     def _mkl(self, x: torch.Tensor, rows: int) -> list[torch.Tensor]:
@@ -340,22 +398,30 @@ class Projection:
             self._key = key
 
     def _rebuild(self) -> None:
-        linears = self.linears
         if self.fused:
-            weight = torch.cat([linear.weight for linear in linears])
-            biases = [linear.bias for linear in linears]
-            bias = None
-            if any(b is not None for b in biases):
-                bias = torch.cat(
-                    [weight.new_zeros(n) if b is None else b for b, n in zip(biases, self.sizes, strict=True)]
-                )
-            products = [(weight, bias)]
+            products = [_fused_weight(self.linears)]
         else:
-            products = [(linear.weight, linear.bias) for linear in linears]
+            products = [(linear.weight, linear.bias) for linear in self.linears]
         if self.packing == "onednn":
             products = [(torch.ops.mkldnn._reorder_linear_weight(w, None), b) for w, b in products]
         self._products = products
         self._packed, self._packed_rows = [], 0
+
+
+def _fused_weight(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights of ``linears`` one above the other, and their biases (zeros for a layer without)."""
+    weight = torch.cat([linear.weight for linear in linears])
+    biases = [linear.bias for linear in linears]
+    if all(bias is None for bias in biases):
+        return weight, None
+    sizes = [linear.weight.shape[0] for linear in linears]
+    return weight, torch.cat(
+        [weight.new_zeros(n) if b is None else b for b, n in zip(biases, sizes, strict=True)]
+    )
+
+
+#: The products of each layout, by name (a test replaces one to show the comparison sees it).
+_plain_linear = F.linear
 
 
 def _mkl_linear(*args) -> torch.Tensor:
@@ -370,28 +436,78 @@ def _onednn_linear(*args) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise.default(*args)
 
 
-def packing_for(weight: torch.Tensor) -> str | None:
-    """The packed layout that serves ``weight`` on this machine: ``"onednn"`` for half-precision
-    weights on a CPU whose oneDNN has the instructions for them, ``"mkl"`` for float32 weights on a
-    CPU with MKL; ``None`` elsewhere (GPUs: their kernels read the weights as they are)."""
-    if weight.device.type != "cpu":
+def default_packing(dtype: torch.dtype, device: torch.device | str = "cpu") -> Packing:
+    """The layout ``auto`` chooses for ``dtype`` weights on ``device``: the packed one that serves the
+    dtype where this machine can compute it (``packing_problem``), else ``plain`` (a GPU's kernels read
+    the weights as they are; a CPU whose oneDNN has no kernels for the dtype, such as bfloat16 on one
+    with AVX2 only). Decided from what torch reports, never from the CPU's name."""
+    for packing, dtypes in PACKED_DTYPES.items():
+        if dtype in dtypes and packing_problem(packing, dtype, device) is None:
+            return packing
+    return "plain"
+
+
+def packing_problem(packing: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:
+    """Why ``packing`` cannot lay out ``dtype`` weights on ``device`` on this machine (``None``: it can),
+    in words a user can act on."""
+    if packing not in PACKINGS:
+        return f"{packing!r} is not a weight layout: use auto, {', '.join(PACKINGS)}"
+    if packing == "plain":
         return None
-    if weight.dtype in (torch.bfloat16, torch.float16):
-        if not torch.backends.mkldnn.is_available():
-            return None
-        supported = (
-            torch.ops.mkldnn._is_mkldnn_bf16_supported
-            if weight.dtype == torch.bfloat16
-            else torch.ops.mkldnn._is_mkldnn_fp16_supported
+    problem = packing_dtype_problem(packing, _dtype_name(dtype))
+    if problem:
+        return problem
+    if torch.device(device).type != "cpu":
+        return (
+            f"{packing} lays out weights for a CPU's kernels, and these are on {torch.device(device).type}: "
+            "use plain or auto (a GPU's kernels read the weights as they are)"
         )
-        return "onednn" if supported() else None
-    if (
-        weight.dtype == torch.float32
-        and torch.backends.mkl.is_available()
-        and hasattr(torch.ops.mkl, "_mkl_linear")
-    ):
-        return "mkl"
-    return None
+    if packing == "mkl":
+        if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+            return None
+        return f"this torch ({torch.__version__}) was built without MKL: use plain or auto"
+    if not torch.backends.mkldnn.is_available():
+        return f"this torch ({torch.__version__}) was built without oneDNN: use plain or auto"
+    if _onednn_supports(dtype):
+        return None
+    return (
+        f"this CPU's oneDNN has no {_dtype_name(dtype)} kernels ({ONEDNN_NEEDS[dtype]}); "
+        f"torch reports {cpu_features()}: use plain or auto"
+    )
+
+
+#: What oneDNN needs of an x86 CPU to compute each dtype (its ``has_data_type_support``).
+ONEDNN_NEEDS = {
+    torch.bfloat16: "on x86 it needs AVX-512, with AVX512-BF16 or AMX to be fast, or AVX2-VNNI-2",
+    torch.float16: "on x86 it needs AVX-512 FP16 or AVX2-VNNI-2",
+}
+#: The CPU features that decide the layouts, as torch names them (``torch.cpu.get_capabilities``).
+CPU_FEATURES = ("avx2", "avx512_f", "avx512_bf16", "avx512_fp16", "avx_ne_convert", "amx_bf16", "amx_fp16")
+
+
+def _onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether torch's oneDNN has kernels for ``dtype`` products on this CPU."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def cpu_features() -> str:
+    """This CPU as torch sees it, for messages: ``AMD EPYC: avx2, avx512_f, avx512_bf16 (no avx512_fp16,
+    ...)``, or torch's vector capability where it cannot list features."""
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if capabilities is None:  # an older torch
+        return f"vector capability {torch.backends.cpu.get_cpu_capability()}"
+    found = capabilities()
+    name = found.get("cpu_name") or found.get("architecture", "this CPU")
+    has = [feature for feature in CPU_FEATURES if found.get(feature)]
+    lacks = [feature for feature in CPU_FEATURES if not found.get(feature)]
+    listed = ", ".join(has) or "none of " + ", ".join(CPU_FEATURES)
+    return f"{name}: {listed}" + (f" (no {', '.join(lacks)})" if has and lacks else "")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _heads(projected: torch.Tensor, heads: int) -> torch.Tensor:

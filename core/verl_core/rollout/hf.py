@@ -23,10 +23,10 @@ from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
 
 from verl_core.data.batch import ROLLOUT_LOG_PROBS, concat_batches, join_prompts_and_responses, left_pad
-from verl_core.errors import RolloutError, did_you_mean
+from verl_core.errors import ConfigError, RolloutError, did_you_mean
 from verl_core.rollout.base import BaseRollout, SamplingParams
 from verl_core.rollout.config import HFRolloutConfig
-from verl_core.rollout.decoder import decoder_for
+from verl_core.rollout.decoder import decoder_for, packing_problem
 from verl_core.rollout.sampling import sample_next
 from verl_core.toolkit.model import DTYPES, check_model_dir
 
@@ -46,17 +46,25 @@ class HFRollout(BaseRollout):
         if self.model is not None:
             raise RuntimeError("HFRollout.initialize() was already called")
         path = check_model_dir(self.model_config.path, f"{self.config_path}.model.path")
+        options = self.options
+        dtype = DTYPES[self.model_config.dtype]
+        lean = options.lean_decoder and options.attn_implementation == "sdpa"
+        if lean and options.weight_packing != "auto":
+            # A forced layout this machine cannot compute is refused before the model loads.
+            problem = packing_problem(options.weight_packing, dtype, self.device)
+            if problem:
+                raise ConfigError([(f"{self.config_path}.hf.weight_packing", problem)])
         model = AutoModelForCausalLM.from_pretrained(
             str(path),
-            dtype=DTYPES[self.model_config.dtype],
-            attn_implementation=self.options.attn_implementation,
+            dtype=dtype,
+            attn_implementation=options.attn_implementation,
             trust_remote_code=self.model_config.trust_remote_code,
             local_files_only=True,
         )
         model.requires_grad_(False)
         self.model = model.eval().to(self.device)
-        lean = self.options.lean_decoder and self.options.attn_implementation == "sdpa"
-        self._decoder = decoder_for(self.model, lean, pack=self.options.packed_weights)
+        fuse = None if options.fused_projections == "auto" else options.fused_projections
+        self._decoder = decoder_for(self.model, lean, packing=options.weight_packing, fuse=fuse)
 
     # -- weights ---------------------------------------------------------------------------------
 

@@ -413,3 +413,25 @@ def test_a_config_naming_an_unknown_environment_or_a_missing_tools_file_is_refus
     tools.write_text("def add(a: int, b: int) -> int:\n    return a + b\n")
     loaded = load_config([], [*base, "rollout.agent.environment=tools", f"rollout.agent.tools={tools}"])
     assert loaded.rollout.agent == AgentConfig(environment="tools", tools=str(tools))
+    # What parsing can tell without running the file: a syntax error, a top-level import of a module
+    # that is not installed, a relative import (the file is imported in no package).
+    for source, problem in (
+        ("def add(a, b)\n    return a + b\n", r"t\.py is not valid Python at line 1"),
+        (
+            "import json\nfrom not_installed_anywhere.sub import x\n\ndef add(a, b):\n    return a + b\n",
+            r"t\.py imports 'not_installed_anywhere\.sub' at line 2, but no module 'not_installed_anywhere' is "
+            r"installed for .*: install it there",
+        ),
+        (
+            "from .helpers import x\n\ndef add(a, b):\n    return a + b\n",
+            r"t\.py has a relative import at line 1",
+        ),
+    ):
+        tools.write_text(source)
+        with pytest.raises(ConfigError, match=rf"rollout\.agent\.tools: .*{problem}"):
+            load_config([], [*base, "rollout.agent.environment=tools", f"rollout.agent.tools={tools}"])
+    # An optional dependency (imported in a try block) is the file's business.
+    tools.write_text(
+        "try:\n    import not_installed_anywhere\nexcept ImportError:\n    pass\n\ndef add(a, b):\n    return a\n"
+    )
+    load_config([], [*base, "rollout.agent.environment=tools", f"rollout.agent.tools={tools}"])

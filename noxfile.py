@@ -181,31 +181,48 @@ def demo(session: nox.Session) -> None:
 
 #: The tools demo's folder (examples/tools_demo): assets, SFT run, GRPO run, comparisons.
 TOOLS_DEMO = Path("runs/tools_demo")
+#: Steps of the warm-up's second SFT call (docs/agents.md: where GRPO starts).
+TOOLS_DEMO_MORE_SFT_STEPS = 120
 
 
 @nox.session(python=PYTHON)
 def tools_demo(session: nox.Session) -> None:
     """Multi-turn GRPO with a tool (docs/agents.md): a table lookup only the tool can answer, an SFT
-    warm-up on scripted tool-use traces, GRPO with the `tools` environment; prints the validation score
-    with and without the tool, before and after GRPO."""
+    warm-up on scripted tool-use traces that stops short of solving the task, GRPO with the `tools`
+    environment; prints the validation score with and without the tool, before and after GRPO."""
     _install_editable(session)
     shutil.rmtree(REPO / TOOLS_DEMO, ignore_errors=True)
     session.run("python", "examples/tools_demo/make_tools_demo.py", str(TOOLS_DEMO))
     session.run("verl-core", "sft", "examples/tools_demo/sft.yaml")
-    # More SFT from there, at a lower rate: the warm-up then stops short of solving the task.
+    # More SFT from there, at a lower rate, shortly: the key's copying is started, not learned.
     session.run(
         "verl-core",
         "sft",
         "examples/tools_demo/sft.yaml",
         f"actor.engine.model.path={TOOLS_DEMO / 'sft' / 'hf_model'}",
         "actor.engine.optim.lr=2e-3",
-        "trainer.total_training_steps=210",
+        f"trainer.total_training_steps={TOOLS_DEMO_MORE_SFT_STEPS}",
         f"trainer.run_dir={TOOLS_DEMO / 'sft_more'}",
         f"trainer.checkpoint_dir={TOOLS_DEMO / 'sft_more' / 'checkpoints'}",
     )
-    session.run("python", "examples/tools_demo/compare.py", str(TOOLS_DEMO / "sft_more" / "hf_model"))
+    before = _tool_scores(session, TOOLS_DEMO / "sft_more" / "hf_model", "before")
     session.run("verl-core", "train", "examples/tools_demo/grpo.yaml")
-    session.run("python", "examples/tools_demo/compare.py", str(TOOLS_DEMO / "grpo" / "hf_model"))
+    after = _tool_scores(session, TOOLS_DEMO / "grpo" / "hf_model", "after")
+    session.log(
+        "validation score (mean@8 of the exact answer on 64 held-out keys), with the tool / without it: "
+        f"{before['with_tools']:.3f} / {before['without_tools']:.3f} before GRPO, "
+        f"{after['with_tools']:.3f} / {after['without_tools']:.3f} after it; "
+        f"curves: {TOOLS_DEMO / 'grpo' / 'curves.png'}"
+    )
+    if after["with_tools"] <= before["with_tools"]:
+        session.error("the validation score with the tool did not rise during GRPO")
+
+
+def _tool_scores(session: nox.Session, model: Path, name: str) -> dict:
+    """examples/tools_demo/compare.py's scores of ``model``, with the tool and without it."""
+    out = REPO / TOOLS_DEMO / f"scores_{name}.json"
+    session.run("python", "examples/tools_demo/compare.py", str(model), "--out", str(out))
+    return json.loads(out.read_text())
 
 
 @nox.session(python=PYTHON)

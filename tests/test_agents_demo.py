@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from fixtures.chat import scripted_generate
 
 from verl_core.agents import AgentLoop, ToolEnvironment, TurnTemplate
 from verl_core.config.run import AgentConfig
 from verl_core.rollout.base import SamplingParams
 
-MAKE = Path(__file__).parents[1] / "examples" / "tools_demo" / "make_tools_demo.py"
-REWARD = Path(__file__).parents[1] / "examples" / "tools_demo" / "reward.py"
+ROOT = Path(__file__).parents[1]
+MAKE = ROOT / "examples" / "tools_demo" / "make_tools_demo.py"
+REWARD = ROOT / "examples" / "tools_demo" / "reward.py"
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +68,19 @@ def test_the_traces_are_the_loops_conversations(assets) -> None:
     )
     assert score_module.score("", text, {"ground_truth": answer_row["response"]}) == 1.0
     assert score_module.score("", text, {"ground_truth": "000"}) == 0.0
+
+
+def test_the_documented_scores_are_of_the_warm_up_and_grpo_the_demo_runs() -> None:
+    """docs/agents.md's table names the steps of the warm-up's two SFT calls (examples/tools_demo/sft.yaml,
+    then noxfile.py's second call) and of GRPO (grpo.yaml) that its scores were measured with: change
+    one of them, and the scores are to be measured again."""
+    steps = {
+        name: yaml.safe_load((ROOT / "examples" / "tools_demo" / f"{name}.yaml").read_text())["trainer"][
+            "total_training_steps"
+        ]
+        for name in ("sft", "grpo")
+    }
+    more = int(re.search(r"^TOOLS_DEMO_MORE_SFT_STEPS = (\d+)$", (ROOT / "noxfile.py").read_text(), re.M)[1])
+    docs = (ROOT / "docs" / "agents.md").read_text()
+    assert f"| SFT warm-up, {steps['sft']} + {more} steps (GRPO's start) |" in docs
+    assert f"| after GRPO, {steps['grpo']} steps" in docs

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from verl_core.agents import AgentLoop, StepResult, TurnTemplate
+from verl_core.agents.session import conversation_metrics
 from verl_core.config.run import AgentConfig
 from verl_core.data.batch import (
     ATTENTION_MASK,
@@ -138,6 +139,41 @@ def test_overflow_truncates_when_told() -> None:
     batch, (conversation,) = loop.run(scripted_generate([[[7, EOS]]]), [[5]], [None], [[]], SAMPLING, 0)
     assert len(conversation.response_ids) == 20 and conversation.done
     assert batch[RESPONSE_MASK][0].tolist() == [1, 1] + [0] * 18
+
+
+class EnvironmentByRow(ScriptedEnvironment):
+    """``ScriptedEnvironment`` whose answers are those of its row (``reset(answers)``)."""
+
+    def reset(self, row) -> None:
+        self.answers, self.turn = row, 0
+
+
+def test_turns_and_cuts_are_counted_per_conversation() -> None:
+    """Five scripted conversations, one per way a conversation ends (response budget 60 tokens,
+    max_turns 3), against their turns and cuts written out, and ``conversation_metrics`` over them."""
+    tool = [{"role": "tool", "content": "42"}]
+    reply = encode("x") + [EOS]
+    scripts = [  # (the environment's answers before it says done, the model's replies)
+        ([], [reply]),  # the model answers at once: 1 turn, not cut
+        ([tool] * 3, [reply] * 3),  # the environment answers the third turn too: cut by max_turns
+        ([tool] * 2, [reply] * 3),  # the environment is done after the third turn: not cut
+        ([], [encode("abcdefghij" * 8)]),  # a final answer past the budget, no EOS: cut by the budget
+        ([[{"role": "tool", "content": "Z" * 80}]], [reply]),  # a message that does not fit: cut likewise
+    ]
+    config = AgentConfig(max_turns=3)
+    loop = AgentLoop(TEMPLATE, lambda c: EnvironmentByRow([]), config, response_length=60)
+    rows = [answers for answers, _ in scripts]
+    _, conversations = loop.run(
+        scripted_generate([replies for _, replies in scripts]), [[5]] * 5, rows, [[]] * 5, SAMPLING, 0
+    )
+    assert [c.turns for c in conversations] == [1, 3, 3, 1, 1]
+    assert [c.cut for c in conversations] == [None, "max_turns", None, "response_length", "response_length"]
+    assert conversation_metrics(conversations) == {
+        "agent/turns/mean": 9 / 5,
+        "agent/turns/max": 3.0,
+        "agent/cut/max_turns": 1 / 5,
+        "agent/cut/response_length": 2 / 5,
+    }
 
 
 @pytest.mark.parametrize(

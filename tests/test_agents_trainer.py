@@ -116,6 +116,13 @@ def test_a_training_step_with_an_environment(tmp_path, estimator) -> None:
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     step = lines[-1]
     assert step["response_length/mean"] == pytest.approx(float(model_tokens.sum()) / len(model_tokens))
+    if estimator != "dapo":  # (dynamic sampling's metrics cover the responses it dropped too)
+        # Model turns are the runs of model tokens; the environment answers every turn, so each
+        # conversation was cut, by max_turns (3) or by the response budget.
+        turns = (model_tokens[:, 1:] & ~model_tokens[:, :-1]).sum(dim=-1) + model_tokens[:, 0]
+        assert step["agent/turns/mean"] == pytest.approx(turns.float().mean().item())
+        assert step["agent/turns/max"] == turns.max().item()
+        assert step["agent/cut/max_turns"] + step["agent/cut/response_length"] == pytest.approx(1.0)
     assert all(torch.isfinite(torch.tensor(value)) for key, value in step.items() if key.startswith("actor/"))
     samples = [
         json.loads(line) for line in validation_samples_path(tmp_path / "run", 1).read_text().splitlines()
@@ -137,3 +144,46 @@ def test_a_run_with_an_environment_resumes_exactly(tmp_path) -> None:
     assert torch.equal(resumed.last_batch[RESPONSE_MASK], straight.last_batch[RESPONSE_MASK])
     for key in ("reward/mean", "actor/loss", "actor/grad_norm", "response_length/mean"):
         assert final[key] == expected[key], key
+
+
+#: Tools files that parse, and whose every top-level import is installed, but that fail when they run:
+#: (the file, what importing it raises, the line).
+FAILING_TOOLS = {
+    "module level": (
+        "import json\n\nTABLE = json.loads('{')\n\n\ndef get(k):\n    return TABLE[k]\n",
+        "JSONDecodeError",
+        3,
+    ),
+    "a dependency": (
+        "import os\n\nif os.sep:\n    import not_installed_anywhere\n\n\ndef get(k):\n    return k\n",
+        "ModuleNotFoundError: No module named 'not_installed_anywhere'",
+        4,
+    ),
+    "sys.exit": ("import sys\n\n\ndef get(k):\n    return k\n\n\nsys.exit(0)\n", "SystemExit: 0", 8),
+}
+
+
+@pytest.mark.parametrize("failure", sorted(FAILING_TOOLS))
+def test_a_tools_file_that_fails_on_import_is_refused_before_any_worker_starts(
+    demo, tmp_path, monkeypatch, failure
+) -> None:
+    """It was refused at the first step, after start-up (and a sys.exit(0) in it ended the run with
+    exit 0); now it is a config error at rollout.agent.tools naming the file, the line and the cause,
+    before the roles are built."""
+    from verl_core.errors import ConfigError
+
+    source, cause, line = FAILING_TOOLS[failure]
+    tools = tmp_path / "tools.py"
+    tools.write_text(source)
+    agent = {"rollout.agent.environment": "tools", "rollout.agent.tools": str(tools)}
+    config = load_config([], run_overrides(demo, tmp_path, **agent))  # the config's load only parses it
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("the roles' workers were started")
+
+    monkeypatch.setattr("verl_core.trainer.build.build_roles", no_workers)
+    with pytest.raises(ConfigError) as error:
+        RLTrainer.from_config(config, show_progress=False)
+    ((key, message),) = error.value.errors
+    assert key == "rollout.agent.tools"
+    assert f"importing {tools} raised {cause}" in message and f"at line {line} of tools.py" in message

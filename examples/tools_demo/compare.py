@@ -31,12 +31,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Validation score of a model with and without the tool.")
     parser.add_argument("model", help="a Hugging Face folder (the SFT or GRPO export)")
     parser.add_argument("--run-dir", default="runs/tools_demo/compare", help="where validation samples go")
+    parser.add_argument("--out", type=Path, help="also write the scores there, as JSON")
     args = parser.parse_args(argv)
     scores = {
         name: validation_score(args.model, with_tools, f"{args.run_dir}/{name}")
         for name, with_tools in (("with_tools", True), ("without_tools", False))
     }
-    print(json.dumps({"model": args.model, **scores}))
+    line = json.dumps({"model": args.model, **scores})
+    print(line)
+    if args.out is not None:
+        args.out.write_text(line + "\n")
     return 0
 
 

@@ -13,16 +13,16 @@ user's file on the model's Hermes-style tool calls.
 from __future__ import annotations
 
 import abc
-import concurrent.futures
 import inspect
 import json
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from verl_core.agents.tool_calls import parse_tool_calls
+from verl_core.agents.tool_calls import LONE_SURROGATE, parse_tool_calls
 from verl_core.config.run import AgentConfig
 from verl_core.errors import AgentError
 from verl_core.reward.loading import import_user_file
@@ -86,14 +86,17 @@ class ToolEnvironment(BaseEnvironment):
     comes back as one ``tool`` message. A reply without any tool call ends the conversation: it is
     the final answer, which the reward function scores.
 
-    A call that raises, has unknown or wrong arguments, or runs longer than ``timeout_s`` is answered
-    with an error message (the function keeps running in its thread: write tools that return).
+    A call that raises (``SystemExit`` and ``KeyboardInterrupt`` included: the user's Ctrl-C reaches
+    the main thread, never a tool's), has unknown or wrong arguments, runs longer than ``timeout_s`` or
+    returns what cannot be written as text is answered with an error message naming the tool. Each call
+    runs in a daemon thread of its own, so that a call that never returns holds neither the run nor
+    the exit of the process (it keeps running until it returns or the process ends: write tools that
+    return).
     """
 
     def __init__(self, tools: Mapping[str, Callable[..., Any]], timeout_s: float = 10.0):
         self.tools = dict(tools)
         self.timeout_s = timeout_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
 
     @classmethod
     def from_config(cls, config: AgentConfig) -> ToolEnvironment:
@@ -119,20 +122,66 @@ class ToolEnvironment(BaseEnvironment):
         try:
             inspect.signature(function).bind(**arguments)
         except TypeError as error:
-            return f"error: {name}{inspect.signature(function)} cannot take {arguments}: {error}"
+            return f"error: {name}{inspect.signature(function)} cannot take {_shown(arguments)}: {error}"
         except ValueError:  # no signature (some builtins): the call itself will tell
             pass
-        # A fresh pool after a timeout: the stuck call keeps its thread, the next call gets another.
-        future = self._pool.submit(function, **arguments)
-        try:
-            result = future.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            self._pool.shutdown(wait=False)
-            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        call = _ToolCall(name, function, arguments)
+        call.start()
+        call.join(self.timeout_s)
+        if call.is_alive():
             return f"error: {name} did not return within {self.timeout_s:g} s"
-        except Exception as error:
-            return f"error: {name} raised {type(error).__name__}: {error}"
-        return result if isinstance(result, str) else json.dumps(result, default=str)
+        if call.error is not None:
+            return f"error: {name} raised {_describe(call.error)}"
+        return _result_text(name, call.result)
+
+
+class _ToolCall(threading.Thread):
+    """One tool call in a daemon thread: its result, or whatever it raised (any ``BaseException``: a
+    ``sys.exit()`` in a tool is the tool's failure, not the end of the run)."""
+
+    def __init__(self, name: str, function: Callable[..., Any], arguments: dict[str, Any]):
+        super().__init__(name=f"verl-core tool {name}", daemon=True)
+        self.function, self.arguments = function, arguments
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.function(**self.arguments)
+        except BaseException as error:  # noqa: BLE001 - reported to the model as the tool's failure
+            self.error = error
+
+
+def _shown(value: Any, limit: int = 200) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - nested too deeply to show (RecursionError)
+        return f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _describe(error: BaseException) -> str:
+    try:
+        text = str(error)
+    except Exception:  # noqa: BLE001 - an exception whose message cannot be made
+        text = "(its message cannot be shown)"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _result_text(name: str, result: Any) -> str:
+    """A tool's result as the text of its message: a string as it is, anything else as JSON, or an
+    error naming what cannot be written (the chat template and the tokenizer take UTF-8 text only)."""
+    try:
+        text = result if isinstance(result, str) else json.dumps(result, default=str)
+    except Exception as error:  # noqa: BLE001 - a circular or too deep value, a str() that raises
+        return f"error: {name} returned a {type(result).__name__} that cannot be written as JSON ({_describe(error)})"
+    surrogate = LONE_SURROGATE.search(text)
+    if surrogate:
+        return (
+            f"error: {name} returned text that is not UTF-8 (a lone surrogate {surrogate.group()!r} at "
+            f"character {surrogate.start()})"
+        )
+    return text
 
 
 def load_tools(path: str | Path) -> dict[str, Callable[..., Any]]:

@@ -42,13 +42,20 @@ from verl_core.seeds import derive_seed
 
 #: ``generate(prompts, sampling, seed) -> TensorDict``: a rollout's ``generate``, or the actor's.
 Generate = Callable[[Sequence[Sequence[int]], SamplingParams, int], TensorDict]
+#: ``Conversation.cut`` when ``rollout.agent.max_turns`` ended a conversation the environment went on with.
+CUT_MAX_TURNS = "max_turns"
+#: ``Conversation.cut`` when ``rollout.response_length``, the response budget, ended a conversation.
+CUT_RESPONSE_LENGTH = "response_length"
 
 
 @attrs.define
 class Conversation:
     """One multi-turn rollout as it grows: the ``messages`` (the prompt's, then each turn's, for the
     template and for logs), the response's ids, which of them the model produced, their log-probs,
-    ``spans`` (``(start, end, role)`` of each turn in the response), the environment's reward."""
+    ``spans`` (``(start, end, role)`` of each turn in the response), the environment's reward, and
+    ``cut``: what ended it before the model or the environment did (``CUT_MAX_TURNS``: the environment
+    answered the last turn ``max_turns`` allows; ``CUT_RESPONSE_LENGTH``: the model's turn filled the
+    response budget before it stopped, or the environment's message did not fit in it), else ``None``."""
 
     prompt_ids: tuple[int, ...]
     messages: list[dict[str, Any]]
@@ -59,6 +66,7 @@ class Conversation:
     turns: int = 0
     done: bool = False
     reward: float | None = None
+    cut: str | None = None
 
     def append(self, ids: Sequence[int], log_probs: Sequence[float] | None = None, *, role: str) -> None:
         """Append a turn's ids: the model's (``role`` ``assistant``, with their log-probs) or the
@@ -134,6 +142,9 @@ class AgentLoop:
         generated, log_probs = generated[:left], log_probs[:left]
         conversation.append(*self.model_turn(generated, log_probs), role="assistant")
         conversation.turns += 1
+        stopped = self.template.closes_turn(generated) or self.template.ends_conversation(generated)
+        # A turn cut by the budget is cut whatever the environment makes of it (a final answer cut short).
+        budget_spent = len(conversation.response_ids) >= self.response_length and not stopped
         text = self.template.reply_text(generated)
         conversation.messages.append({"role": "assistant", "content": text})
         result = environment.step(text)
@@ -143,13 +154,13 @@ class AgentLoop:
                 "verl_core.agents.StepResult(observation, done, reward)"
             )
         conversation.reward = result.reward if result.reward is not None else conversation.reward
-        if (
-            result.done
-            or not result.observation
-            or conversation.turns == self.config.max_turns
-            or self.template.ends_conversation(generated)
-        ):
+        over = result.done or not result.observation or self.template.ends_conversation(generated)
+        if over or budget_spent or conversation.turns == self.config.max_turns:
             conversation.done = True
+            if budget_spent:
+                conversation.cut = CUT_RESPONSE_LENGTH
+            elif not over:
+                conversation.cut = CUT_MAX_TURNS
             return
         observation = list(result.observation)
         context = list(conversation.messages)
@@ -175,6 +186,7 @@ class AgentLoop:
         # After the environment's message the model needs room for at least one token.
         if total >= left:
             conversation.done = True
+            conversation.cut = CUT_RESPONSE_LENGTH
             if self.config.on_overflow == "end":
                 return False
         for part, role in zip(parts, ["template", *roles], strict=True):

@@ -4,20 +4,32 @@ run over a step's prompts, ``n`` conversations each."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from verl_core.agents.loop import AgentLoop, Generate
+from verl_core.agents.loop import CUT_MAX_TURNS, CUT_RESPONSE_LENGTH, AgentLoop, Conversation, Generate
 from verl_core.agents.template import TurnTemplate
-from verl_core.config.run import RunConfig
+from verl_core.config.run import AgentConfig, RunConfig
 from verl_core.data.batch import ATTENTION_MASK, ENVIRONMENT_REWARDS, RESPONSE_MASK, RESPONSES
+from verl_core.errors import AgentError, ConfigError
 from verl_core.hookspecs import Kind
+from verl_core.reward.loading import import_problem
 from verl_core.rollout.base import SamplingParams
 
 #: The config key that selects the environment, for messages.
 ENVIRONMENT_KEY = "rollout.agent.environment"
+#: Core's environment that runs the functions of ``rollout.agent.tools``.
+TOOLS_ENVIRONMENT = "tools"
+#: Model turns per conversation: the mean and the most over a step's conversations.
+TURNS_MEAN_KEY = "agent/turns/mean"
+TURNS_MAX_KEY = "agent/turns/max"
+#: The share of a step's conversations that ``rollout.agent.max_turns`` ended while the environment went
+#: on, and that the response budget (``rollout.response_length``) ended (``Conversation.cut``).
+CUT_MAX_TURNS_KEY = "agent/cut/max_turns"
+CUT_RESPONSE_LENGTH_KEY = "agent/cut/response_length"
 
 
 def build_agent_loop(
@@ -37,6 +49,26 @@ def build_agent_loop(
     return AgentLoop(template, factory, agent, config.rollout.response_length)
 
 
+def import_tools_file(agent: AgentConfig) -> None:
+    """Import the ``tools`` environment's file (``rollout.agent.tools``) now, before any worker starts:
+    one that fails on import is a ``ConfigError`` at that key naming the file, the line and the cause.
+
+    The run imports the file in this process anyway, as it does a reward file (docs/rewards.md: loading
+    a file runs it); ``verl-core config`` and the config's load only parse it."""
+    if agent.environment != TOOLS_ENVIRONMENT or agent.tools is None:
+        return
+    from verl_core.agents.environment import TOOLS_KEY, load_tools
+
+    try:
+        load_tools(agent.tools)
+    except AgentError as error:
+        cause = error.__cause__
+        problem = str(error) if cause is None else import_problem(Path(agent.tools).expanduser(), cause)
+        raise ConfigError(
+            [(TOOLS_KEY, f"{problem}: fix the file, which runs when the run starts")]
+        ) from cause
+
+
 def prompt_messages(row: Any) -> list[dict[str, Any]]:
     """What the template renders before the first reply. The dataset keeps the rendered prompt, not its
     messages: it stands in as one user message (the ids appended after it depend only on the turns
@@ -46,8 +78,9 @@ def prompt_messages(row: Any) -> list[dict[str, Any]]:
 
 def run_conversations(
     loop: AgentLoop, generate: Generate, rows: Sequence[Any], n: int, sampling: SamplingParams, seed: int
-) -> TensorDict:
-    """``n`` conversations per row, in row order, as one batch with ``ENVIRONMENT_REWARDS``."""
+) -> tuple[TensorDict, list[Conversation]]:
+    """``n`` conversations per row, in row order: one batch with ``ENVIRONMENT_REWARDS``, and the
+    conversations (for ``conversation_metrics``)."""
     repeated = [row for row in rows for _ in range(n)]
     batch, conversations = loop.run(
         generate,
@@ -60,7 +93,21 @@ def run_conversations(
     batch[ENVIRONMENT_REWARDS] = torch.tensor(
         [float("nan") if c.reward is None else float(c.reward) for c in conversations]
     )
-    return batch
+    return batch, conversations
+
+
+def conversation_metrics(conversations: Sequence[Conversation]) -> dict[str, float]:
+    """A step's multi-turn metrics (docs/training.md): model turns per conversation (mean, max) and the
+    share of conversations cut by ``rollout.agent.max_turns`` and by ``rollout.response_length``."""
+    count = len(conversations)
+    turns = [conversation.turns for conversation in conversations]
+    cut = [conversation.cut for conversation in conversations]
+    return {
+        TURNS_MEAN_KEY: sum(turns) / count,
+        TURNS_MAX_KEY: float(max(turns)),
+        CUT_MAX_TURNS_KEY: cut.count(CUT_MAX_TURNS) / count,
+        CUT_RESPONSE_LENGTH_KEY: cut.count(CUT_RESPONSE_LENGTH) / count,
+    }
 
 
 def turns(tokenizer: Any, batch: TensorDict, row: int) -> list[dict[str, str]]:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import ast
 import contextvars
+import importlib.util
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -170,4 +172,36 @@ def functions_file_problem(path: str) -> str | None:
     functions, _ = top_level_names(tree)
     if not any(not name.startswith("_") for name in functions):
         return f"{path} defines no public top-level function: define the tools in it"
+    return missing_import_problem(path, tree)
+
+
+def missing_import_problem(path: str, tree: ast.Module) -> str | None:
+    """A module the file imports unconditionally at its top level (not in a ``try``: an optional
+    dependency) that is not installed, or a relative import (the file is no package's module), found
+    without importing the file or the module (its package is looked for as ``import`` would, on this
+    process's ``sys.path``)."""
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level:
+            return (
+                f"{os.path.expanduser(path)} has a relative import at line {node.lineno}, but the file is "
+                "imported on its own, in no package: import by absolute name (with its folder on PYTHONPATH)"
+            )
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            package = name.partition(".")[0]
+            try:
+                found = importlib.util.find_spec(package) is not None
+            except (ImportError, ValueError):  # a broken installed package: importing it will tell
+                found = True
+            if not found:
+                return (
+                    f"{os.path.expanduser(path)} imports {name!r} at line {node.lineno}, but no module "
+                    f"{package!r} is installed for {sys.executable}: install it there (or import it inside a "
+                    "try block, if it is optional)"
+                )
     return None

@@ -17,6 +17,7 @@ import importlib.util
 import inspect
 import re
 import sys
+import traceback
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -129,13 +130,22 @@ def import_user_file(
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a sys.exit() at module level is the file's failure too
         del sys.modules[name]
-        raise error(
-            f"{where}: importing {path} raised {type(exc).__name__}: {exc}. Fix the file "
-            "(the traceback of the cause shows where)"
-        ) from exc
+        raise error(f"{where}: {import_problem(path, exc)}. Fix the file") from exc
     return module
+
+
+def import_problem(path: Path, exc: BaseException) -> str:
+    """What importing the user's file ``path`` raised, and at which of its lines: the innermost frame of
+    the traceback in the file (a ``SyntaxError``'s own line), for a cause raised from what it imports too."""
+    resolved = str(Path(path).resolve())
+    lines = [frame.lineno for frame in traceback.extract_tb(exc.__traceback__) if frame.filename == resolved]
+    if isinstance(exc, SyntaxError) and exc.filename == resolved:
+        lines.append(exc.lineno)
+    at = f", at line {lines[-1]} of {Path(path).name}" if lines and lines[-1] else ""
+    message = exc.msg if isinstance(exc, SyntaxError) else exc  # its own text names the file and line
+    return f"importing {path} raised {type(exc).__name__}: {message}{at}"
 
 
 def _defined_callables(module: types.ModuleType) -> list[str]:

@@ -21,7 +21,14 @@ import attrs
 import torch
 from tensordict import TensorDict
 
-from verl_core.agents.session import build_agent_loop, run_conversations, turns
+from verl_core.agents.loop import Conversation
+from verl_core.agents.session import (
+    build_agent_loop,
+    conversation_metrics,
+    import_tools_file,
+    run_conversations,
+    turns,
+)
 from verl_core.algos.kl import apply_kl_penalty, build_kl_controller
 from verl_core.algos.policy_loss import rollout_log_prob_mismatch
 from verl_core.algos.registry import get_advantage_estimator
@@ -67,7 +74,8 @@ REWARD_ERRORS_KEY = "reward/errors"
 @attrs.frozen
 class Collected:
     """A step's scored responses: the batch (``SCORES`` and ``UID`` set, groups numbered from 0), the
-    epoch of its first prompt, the generation rounds it took, and its reward metrics."""
+    epoch of its first prompt, the generation rounds it took, and its reward metrics (with the
+    conversations' ``agent/*`` metrics, multi-turn)."""
 
     batch: TensorDict
     epoch: int
@@ -128,6 +136,7 @@ class RLTrainer(Trainer):
         from verl_core.trainer.build import build_roles, load_tokenizer, workers_description
 
         preflight(config, TRAINER_KIND)
+        import_tools_file(config.rollout.agent)  # it runs: here, not in preflight (verl-core config)
         with console.phase("loading the tokenizer and the datasets"):
             tokenizer = load_tokenizer(config.actor.engine.model)
             train_data, val_data = load_prompt_datasets(config.data, config.rollout, tokenizer)
@@ -233,13 +242,15 @@ class RLTrainer(Trainer):
         prompts. With ``algorithm.filter_groups`` (DAPO's dynamic sampling), groups whose responses all
         scored the same are dropped and more prompts are drawn until the batch is full; the reward
         metrics then cover every round's responses (``reward/errors`` counts them all), the scores'
-        statistics the kept ones."""
+        statistics the kept ones. Multi-turn rollouts add the conversations' ``agent/*`` metrics
+        (``conversation_metrics``), over every round's conversations too."""
         wanted = self.config.data.train_batch_size
         filtering = self.config.algorithm.filter_groups
         kept: list[TensorDict] = []
         kept_rows: list[PromptRow] = []
         rounds, epoch = 0, None
         round_metrics: list[dict[str, float]] = []
+        conversations: list[Conversation] = []
         while len(kept_rows) < wanted:
             if rounds == filtering.max_num_gen_batches:
                 raise TrainerError(
@@ -252,7 +263,8 @@ class RLTrainer(Trainer):
             rows = self.train_data.select(sampled.indices)
             seed = derive_seed("generation", self.config.trainer.seed, step, rounds)
             with timer.phase("generate"):
-                batch = self.generate(rows, self.sampling, seed=seed)
+                batch, round_conversations = self._rollout(rows, self.sampling, seed=seed)
+            conversations += round_conversations
             with timer.phase("reward"):
                 batch[SCORES], metrics = self.score(batch, rows)
             round_metrics.append(metrics)
@@ -279,6 +291,8 @@ class RLTrainer(Trainer):
             "reward/max": float(scores.max()),
             "reward/min": float(scores.min()),
         }
+        if conversations:  # multi-turn: over every round's conversations, as the reward metrics
+            reward_metrics |= conversation_metrics(conversations)
         return Collected(merged, epoch, rounds, reward_metrics)
 
     @property
@@ -291,14 +305,23 @@ class RLTrainer(Trainer):
         self, rows: list[PromptRow], sampling: SamplingParams, seed: int, n: int | None = None
     ) -> TensorDict:
         """``n`` responses per prompt (default ``rollout.n``), the prompt's index in ``UID``."""
+        return self._rollout(rows, sampling, seed, n)[0]
+
+    def _rollout(
+        self, rows: list[PromptRow], sampling: SamplingParams, seed: int, n: int | None = None
+    ) -> tuple[TensorDict, list[Conversation]]:
+        """``generate``'s batch, and its conversations with an agent loop (none without)."""
         n = self.n if n is None else n
         prompts = [row.prompt_ids for row in rows for _ in range(n)]
+        conversations: list[Conversation] = []
         if self.agent_loop is None:
             batch = self.actor.generate(prompts, sampling, seed)
         else:
-            batch = run_conversations(self.agent_loop, self.actor.generate, rows, n, sampling, seed)
+            batch, conversations = run_conversations(
+                self.agent_loop, self.actor.generate, rows, n, sampling, seed
+            )
         batch[UID] = torch.arange(len(rows)).repeat_interleave(n)
-        return batch
+        return batch, conversations
 
     def score(self, batch: TensorDict, rows: list[PromptRow]) -> tuple[torch.Tensor, dict[str, float]]:
         # rows[i] is the prompt of the responses whose UID is i.

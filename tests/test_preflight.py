@@ -20,6 +20,8 @@ from verl_core.errors import ConfigError
 from verl_core.trainer import preflight as preflight_module
 from verl_core.trainer.preflight import check_run, trainer_kind
 
+DEMO_SFT = Path(__file__).parents[1] / "examples" / "demo" / "sft.yaml"
+
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
@@ -66,6 +68,33 @@ def test_an_sft_config_is_told_from_its_data_and_passes(demo, tmp_path, capsys) 
     rl_overrides = run_overrides(demo, tmp_path, **{"algorithm.adv_estimator": "gae"})
     assert main(["train", *rl_overrides]) == 2
     assert "SFT config" not in capsys.readouterr().err
+
+
+def test_the_demo_sft_config_before_its_assets_exist_names_them_not_an_rl_rule(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """A fresh clone, before make_demo.py: no data to tell SFT from RL. The missing data and model are
+    named at their keys, and the RL rule an SFT config need not meet (gae needs a critic) is not."""
+    shutil.copy(DEMO_SFT, tmp_path / "sft.yaml")
+    monkeypatch.chdir(tmp_path)
+    errors = config_errors(capsys, "sft.yaml")
+    assert sorted(errors) == ["actor.engine.model.path", "data.train_files[0]"], errors
+    assert "'runs/demo/data/sft.jsonl' not found" in errors["data.train_files[0]"]
+    assert "'runs/demo/model' does not exist" in errors["actor.engine.model.path"]
+    assert main(["config", "sft.yaml"]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith(
+        "verl-core: checked as a config for `verl-core sft`: data.train_files[0] cannot be read"
+    )
+    # `train` given it still reports the RL rule (it was asked for RL), and that the data cannot tell.
+    assert main(["train", "sft.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "critic.enable: adv_estimator 'gae' needs a critic" in err
+    assert "if this is an SFT config, run it with `verl-core sft`: data.train_files[0] cannot be read" in err
+    # A config that meets the RL rules is checked as an RL config, saying the data could not tell.
+    assert main(["config", "sft.yaml", "algorithm.adv_estimator=grpo", "rollout.n=4"]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("verl-core: checked as a config for `verl-core train`: data.train_files[0] cannot")
 
 
 def test_train_and_sft_without_a_config_say_how_to_give_one(capsys) -> None:

@@ -54,15 +54,21 @@ def check_run(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]
 
 
 def trainer_kind(config: RunConfig) -> TrainerKind:
+    """``data_kind``, and ``rl`` when the data cannot tell."""
+    return data_kind(config) or "rl"
+
+
+def data_kind(config: RunConfig) -> TrainerKind | None:
     """``sft`` when the first row of ``data.train_files`` has a ``data.response_key`` column (the
-    prompt/response pairs ``verl-core sft`` trains on), else ``rl``; what ``verl-core config`` checks a
-    config as when not told."""
+    prompt/response pairs ``verl-core sft`` trains on), ``rl`` when it has not; ``None`` when there is
+    no first row to read (no file, a missing or unreadable one, an empty one): then the data cannot
+    tell, and ``verl-core config`` guesses from the rules the config meets."""
     if not config.data.train_files:
-        return "rl"
+        return None
     try:
         first = read_file(config.data.train_files[0], "data.train_files[0]")[0]
     except (DataError, IndexError):
-        return "rl"  # the file's own problem is reported by the checks
+        return None  # the file's own problem is reported by the checks
     return "sft" if config.data.response_key in first else "rl"
 
 
@@ -294,14 +300,27 @@ def _loggers(config: RunConfig) -> Iterator[tuple[str, str]]:
             )
 
 
-def describe_kind(kind: TrainerKind, detected: bool) -> str:
-    """One line saying which trainer a config was checked for, and why."""
+#: Why ``verl-core config`` checked a config as it did, when the data told it.
+_KIND_REASONS = {
+    "sft": "the rows of data.train_files have the data.response_key column",
+    "rl": "no data.response_key column in data.train_files",
+}
+
+
+def describe_kind(kind: TrainerKind, detected: bool, told_by_data: bool = True) -> str:
+    """One line saying which trainer a config was checked for, and why: ``detected`` from the data
+    (``data_kind``), or, when the data could not be read (``told_by_data=False``), from the rules the
+    config meets: an SFT config need not follow the RL trainer's, so one that breaks them is taken for
+    an SFT config rather than reported for them."""
     command = "verl-core sft" if kind == "sft" else "verl-core train"
-    reason = ""
-    if detected:
-        reason = (
-            " (the rows of data.train_files have the data.response_key column)"
-            if kind == "sft"
-            else " (no data.response_key column in data.train_files)"
+    if not detected:
+        return f"checked as a config for `{command}`"
+    if told_by_data:
+        return f"checked as a config for `{command}` ({_KIND_REASONS[kind]})"
+    unread = "data.train_files[0] cannot be read to tell an SFT config from an RL one"
+    if kind == "sft":
+        return (
+            f"checked as a config for `{command}`: {unread}, and this one breaks the rules of "
+            "`verl-core train` (--for train lists them); once the data is there the check tells them apart"
         )
-    return f"checked as a config for `{command}`{reason}"
+    return f"checked as a config for `{command}`: {unread} (--for sft checks it for `verl-core sft`)"

@@ -16,7 +16,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from verl_core.config.engine import EngineConfig, ModelConfig
 from verl_core.config.run import RunConfig
@@ -25,7 +25,11 @@ from verl_core.data.files import read_file
 from verl_core.engine.checkpoint import CheckpointError
 from verl_core.engine.integrity import file_problem
 from verl_core.errors import ConfigError, DataError, VerlCoreError
+from verl_core.hookspecs import ENGINE_BACKENDS
 from verl_core.trainer import checkpoints
+
+if TYPE_CHECKING:
+    from verl_core.plugins import Registry
 
 #: Which trainer a config is for: ``verl-core train`` (``rl``) or ``verl-core sft``.
 TrainerKind = Literal["rl", "sft"]
@@ -34,19 +38,27 @@ LOGGER_PACKAGES = {"tensorboard": ("tensorboard", 'pip install "verl-core[tensor
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
-def preflight(config: RunConfig, kind: TrainerKind) -> None:
+def preflight(config: RunConfig, kind: TrainerKind, registry: Registry | None = None) -> None:
     """Raise a ``ConfigError`` listing every problem ``check_run`` finds; nothing when there is none."""
-    problems = list(check_run(config, kind))
+    problems = list(check_run(config, kind, registry))
     if problems:
         raise ConfigError(problems)
 
 
-def check_run(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]:
-    """Every problem of ``config`` for the ``kind`` of run, each rule independent of the others."""
+def check_run(
+    config: RunConfig, kind: TrainerKind, registry: Registry | None = None
+) -> Iterator[tuple[str, str]]:
+    """Every problem of ``config`` for the ``kind`` of run, each rule independent of the others;
+    ``registry`` resolves the backends (default: the installed plugins)."""
+    if registry is None:
+        from verl_core.plugins import get_registry
+
+        registry = get_registry()
     yield from each_rule(
         lambda: _datasets(config, kind),
         lambda: _models(config, kind),
-        lambda: _adapters(config, kind),
+        lambda: _engines(config, registry),
+        lambda: _adapters(config, registry),
         lambda: _checkpoint_dir(config, kind),
         lambda: _writable("trainer.run_dir", config.trainer.run_dir),
         lambda: _loggers(config),
@@ -124,16 +136,67 @@ def _model_paths(config: RunConfig) -> dict[str, str]:
     return {f"{where}.model.path": engine.model.path for where, engine in _engine_sections(config).items()}
 
 
-def _adapters(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]:
+def _engines(config: RunConfig, registry: Registry) -> Iterator[tuple[str, str]]:
+    """Each engine backend the run uses, its engine class imported here on the driver (every rank
+    imports it at start-up: one that does not import is refused now, at the key that chose it), then
+    asked what the model's config.json and the run's world size tell about its section
+    (``BaseEngine.check_before_start``: attention heads per sequence-parallel rank, say)."""
+    from verl_core.engine.factory import load_engine_class
+
+    world_size = config.trainer.world_size if config.trainer.workers == "ray" else 1
+    for where, engine in _engine_sections(config).items():
+        key = f"{where}.backend"
+        try:
+            entry = registry.entry(ENGINE_BACKENDS, engine.backend, where=key)
+        except VerlCoreError:  # an unknown or unusable backend: the config load reports it
+            continue
+        try:
+            engine_class = load_engine_class(entry)
+        except VerlCoreError as error:  # naming the plugin, its distribution and the import string
+            yield key, str(error)
+            continue
+        model_config = _model_config(engine.model.path)
+        if model_config is None:  # the model folder's own problem: reported by the model checks
+            continue
+        check = engine_class.check_before_start
+        try:
+            yield from check(
+                engine,
+                role="value" if where == "critic.engine" else "lm",
+                model_config=model_config,
+                world_size=world_size,
+                config_path=where,
+            )
+        except ConfigError as error:
+            yield from error.errors
+        except Exception as error:  # a bug in the plugin's check: named, not a traceback
+            yield (
+                key,
+                f"engine backend '{entry.name}' from {entry.provider}: {engine_class.__qualname__}."
+                f"check_before_start raised {type(error).__name__}: {error}; fix or upgrade the plugin",
+            )
+
+
+def _model_config(path: str) -> dict[str, Any] | None:
+    """The model folder's config.json; ``None`` when it cannot be read (``_models`` says why)."""
+    from verl_core.engine.hf import HF_CONFIG_FILE
+
+    try:
+        model_config = json.loads((Path(path).expanduser() / HF_CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return model_config if isinstance(model_config, dict) else None
+
+
+def _adapters(config: RunConfig, registry: Registry) -> Iterator[tuple[str, str]]:
     """LoRA on backends that train it (``EngineBackend(lora=True)``), and the adapters the engines
     start from (``model.lora_adapter_path``)."""
     from verl_core.engine.factory import lora_refusal
-    from verl_core.plugins import get_registry
 
     for where, engine in _engine_sections(config).items():
         if engine.model.lora:
             try:
-                refusal = lora_refusal(engine, get_registry(), where)
+                refusal = lora_refusal(engine, registry, where)
             except VerlCoreError:  # the backend cannot be used: the config load reports why
                 refusal = None
             if refusal is not None:

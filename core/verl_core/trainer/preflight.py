@@ -2,10 +2,12 @@
 
 ``verl-core config`` runs these checks, and so do ``verl-core train`` / ``sft`` (through the trainers'
 ``from_config``) before Ray or an engine starts: a missing file, a model folder that is not one, a
-tokenizer larger than the model's vocabulary, truncated weights, an unwritable or another run's
-checkpoint folder, a logger whose package is not installed. Each problem is ``(key, message)``, the key
-being the config key to fix, as ``ConfigError`` reports it. Reading is cheap on purpose: file headers,
-the first rows of a dataset, ``config.json``; the models themselves are loaded by the engines.
+tokenizer larger than the model's vocabulary, truncated weights, an engine backend whose engine does
+not import or whose options the model or the world size cannot take (``BaseEngine.check_before_start``),
+an unwritable or another run's checkpoint folder, a logger whose package is not installed. Each problem
+is ``(key, message)``, the key being the config key to fix, as ``ConfigError`` reports it. Reading is
+cheap on purpose: file headers, the first rows of a dataset, ``config.json``; the models themselves are
+loaded by the engines.
 """
 
 from __future__ import annotations

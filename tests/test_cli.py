@@ -328,8 +328,10 @@ def test_config_of_the_example_leaves_the_decay_length_to_the_trainer(installed_
     assert main(["config", "--no-file-checks", str(EXAMPLE)]) == 0
     captured = capsys.readouterr()
     # no errors, no warnings: only the line saying what it was checked for
+    # (its data is not there to tell SFT from RL: --no-file-checks is for another machine's config)
     assert captured.err.splitlines() == [
-        "verl-core: checked as a config for `verl-core train` (no data.response_key column in data.train_files)"
+        "verl-core: checked as a config for `verl-core train`: data.train_files[0] cannot be read to tell an "
+        "SFT config from an RL one (--for sft checks it for `verl-core sft`)"
     ]
     resolved = yaml.safe_load(captured.out)
     # 0: the run's length in optimiser steps, which the trainer fills in once it knows the dataset.

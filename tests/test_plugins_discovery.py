@@ -265,3 +265,35 @@ def test_a_wrong_attribute_is_named_with_the_plugin_when_loaded(dists):
         "imported (AttributeError: module 'fake_engines' has no attribute 'Engin')"
     )
     assert isinstance(caught.value.__cause__, AttributeError)
+
+
+UNVERSIONED_AT_IMPORT = """
+    from verl_core import EngineBackend, hookimpl
+
+    BACKENDS = [EngineBackend(name="early", engine="fake_engines:Engine", config="fake_engines:Config")]
+
+    @hookimpl
+    def verl_engine_backends():
+        return BACKENDS
+"""
+
+
+def test_the_missing_api_version_warning_names_the_plugin_and_its_distribution(dists):
+    """On main it said only "EngineBackend without api_version is deprecated": with several plugins
+    installed, nothing said whose. Descriptors made in the hook and at the module's import are named."""
+    from verl_core.deprecation import VerlCoreDeprecationWarning
+
+    dists.add("old-vendor", "0.1.4", {"old": backends_plugin("late", api_version=None)})
+    dists.add("older-vendor", "0.0.9", {"older": UNVERSIONED_AT_IMPORT})
+    with pytest.warns(VerlCoreDeprecationWarning) as caught:
+        registry = Registry.from_plugins(autoload=True)
+    messages = {
+        (warning.filename.rpartition("/")[2], str(warning.message).partition(": ")[0]) for warning in caught
+    }
+    # Each at the plugin's own line, as before.
+    assert messages == {
+        ("old_plugin.py", "plugin 'old' (old-vendor 0.1.4), engine backend 'late'"),
+        ("older_plugin.py", "plugin 'older' (older-vendor 0.0.9), engine backend 'early'"),
+    }
+    assert all("EngineBackend without api_version is deprecated" in str(w.message) for w in caught)
+    assert registry.entry("engine_backends", "late").status == "ok"

@@ -20,6 +20,8 @@ from verl_core.errors import ConfigError
 from verl_core.trainer import preflight as preflight_module
 from verl_core.trainer.preflight import check_run, trainer_kind
 
+DEMO_SFT = Path(__file__).parents[1] / "examples" / "demo" / "sft.yaml"
+
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
@@ -66,6 +68,33 @@ def test_an_sft_config_is_told_from_its_data_and_passes(demo, tmp_path, capsys) 
     rl_overrides = run_overrides(demo, tmp_path, **{"algorithm.adv_estimator": "gae"})
     assert main(["train", *rl_overrides]) == 2
     assert "SFT config" not in capsys.readouterr().err
+
+
+def test_the_demo_sft_config_before_its_assets_exist_names_them_not_an_rl_rule(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """A fresh clone, before make_demo.py: no data to tell SFT from RL. The missing data and model are
+    named at their keys, and the RL rule an SFT config need not meet (gae needs a critic) is not."""
+    shutil.copy(DEMO_SFT, tmp_path / "sft.yaml")
+    monkeypatch.chdir(tmp_path)
+    errors = config_errors(capsys, "sft.yaml")
+    assert sorted(errors) == ["actor.engine.model.path", "data.train_files[0]"], errors
+    assert "'runs/demo/data/sft.jsonl' not found" in errors["data.train_files[0]"]
+    assert "'runs/demo/model' does not exist" in errors["actor.engine.model.path"]
+    assert main(["config", "sft.yaml"]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith(
+        "verl-core: checked as a config for `verl-core sft`: data.train_files[0] cannot be read"
+    )
+    # `train` given it still reports the RL rule (it was asked for RL), and that the data cannot tell.
+    assert main(["train", "sft.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "critic.enable: adv_estimator 'gae' needs a critic" in err
+    assert "if this is an SFT config, run it with `verl-core sft`: data.train_files[0] cannot be read" in err
+    # A config that meets the RL rules is checked as an RL config, saying the data could not tell.
+    assert main(["config", "sft.yaml", "algorithm.adv_estimator=grpo", "rollout.n=4"]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("verl-core: checked as a config for `verl-core train`: data.train_files[0] cannot")
 
 
 def test_train_and_sft_without_a_config_say_how_to_give_one(capsys) -> None:
@@ -189,3 +218,108 @@ def test_train_reports_them_before_anything_starts(demo, tmp_path, capsys, monke
         from verl_core.trainer.rl import RLTrainer
 
         RLTrainer.from_config(load_config([], overrides))
+
+
+# -- the engine backends the run uses, on the driver ---------------------------------------------------
+
+VENDOR_PLUGIN = """
+    import attrs
+    from verl_core import EngineBackend, hookimpl
+
+    @attrs.define
+    class Options:
+        heads_per_rank: int = 0
+
+    def backend(name, engine):
+        return EngineBackend(name=name, engine=engine, config="vendor_plugin:Options", api_version=1)
+
+    @hookimpl
+    def verl_engine_backends():
+        return [
+            backend("misspelt", "vendor_engines:VendorEngin"),
+            backend("needs-apex", "vendor_apex_engine:Engine"),
+            backend("checked", "vendor_engines:VendorEngine"),
+            backend("raising", "vendor_engines:RaisingEngine"),
+        ]
+"""
+VENDOR_ENGINES = """
+    from verl_core.engine import BaseEngine
+    from vendor_plugin import Options
+
+    class VendorEngine(BaseEngine):
+        options_class = Options
+
+        @classmethod
+        def check_before_start(cls, config, *, role, model_config, world_size, config_path):
+            heads = model_config["num_attention_heads"]
+            wanted = config.options.heads_per_rank
+            if wanted and heads != wanted * world_size:
+                return [(f"{config_path}.{config.backend}.heads_per_rank", f"{heads} heads, {world_size} ranks, {role}")]
+            return []
+
+    class RaisingEngine(VendorEngine):
+        @classmethod
+        def check_before_start(cls, config, **_):
+            return {}["a key the plugin's author expected"]
+"""
+
+
+@pytest.fixture
+def vendor(tmp_path):
+    """A vendor's distribution whose engine backends have the mistakes a plugin author makes."""
+    from fixtures.fake_dist import fake_distributions
+
+    from verl_core.plugins import get_registry
+
+    with fake_distributions(tmp_path) as dists:
+        modules = {"vendor_engines": VENDOR_ENGINES, "vendor_apex_engine": "import apex_kernels\n"}
+        dists.add("vendor-dist", "0.3", {"vendor": VENDOR_PLUGIN}, modules=modules)
+        get_registry(refresh=True)
+        yield dists
+    get_registry(refresh=True)
+
+
+def test_an_engine_that_does_not_import_is_refused_at_its_backend_key_before_start(
+    demo, vendor, tmp_path, capsys, monkeypatch
+) -> None:
+    """On main the import string was first imported by the ranks after start-up: `config` passed."""
+    import sys
+
+    from verl_core.trainer import build
+
+    assert main(["plugins"]) == 0  # listed without importing any engine
+    assert "vendor_engines" not in sys.modules and "vendor_apex_engine" not in sys.modules
+    capsys.readouterr()
+    monkeypatch.setattr(build, "build_roles", lambda *a, **k: pytest.fail("workers started"))
+    for backend, cause in [
+        ("misspelt", "AttributeError: module 'vendor_engines' has no attribute 'VendorEngin'"),
+        ("needs-apex", "ModuleNotFoundError: No module named 'apex_kernels'"),
+    ]:
+        overrides = run_overrides(demo, tmp_path, backend=backend)
+        errors = config_errors(capsys, *overrides)
+        assert list(errors) == ["actor.engine.backend"], errors
+        message = errors["actor.engine.backend"]
+        assert message.startswith(
+            f"engine backend '{backend}' from plugin 'vendor' (vendor-dist 0.3): its engine"
+        )
+        assert cause in message
+        assert main(["train", *overrides]) == 2
+        assert f"actor.engine.backend: engine backend '{backend}'" in capsys.readouterr().err
+
+
+def test_a_plugin_checks_its_options_against_the_model_and_the_world_before_start(
+    demo, vendor, tmp_path, capsys
+) -> None:
+    """BaseEngine.check_before_start: the model's config.json (the demo's: 4 attention heads) and
+    trainer.world_size, on the driver; a check that raises names the plugin instead of a traceback."""
+    ray = {"trainer.workers": "ray", "trainer.world_size": 3, "actor.engine.checked.heads_per_rank": 2}
+    errors = config_errors(capsys, *run_overrides(demo, tmp_path, backend="checked", **ray))
+    assert errors == {"actor.engine.checked.heads_per_rank": "4 heads, 3 ranks, lm"}
+    fits = {**ray, "trainer.world_size": 2}
+    assert main(["config", *run_overrides(demo, tmp_path, backend="checked", **fits)]) == 0
+    capsys.readouterr()
+    errors = config_errors(capsys, *run_overrides(demo, tmp_path, backend="raising"))
+    assert errors["actor.engine.backend"] == (
+        "engine backend 'raising' from plugin 'vendor' (vendor-dist 0.3): RaisingEngine.check_before_start "
+        'raised KeyError: "a key the plugin\'s author expected"; fix or upgrade the plugin'
+    )

@@ -5,6 +5,8 @@ reproduce, and the sampler variants the check must catch.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import assume, given, settings
@@ -189,3 +191,70 @@ def test_the_check_catches_a_sampler_that_draws_another_distribution(monkeypatch
     monkeypatch.setattr(sampling_module, name, broken)
     with pytest.raises(AssertionError):
         assert_draws_follow_the_distribution([1.0, 0.2, -0.5, 2.0, 0.0], params(top_k=4, temperature=0.8))
+
+
+# -- SamplingParams: every field checked on construction --------------------------------------------
+
+
+def is_whole(value, low: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def is_finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+#: What each field accepts, written out: ``temperature`` 0 is greedy, ``top_k`` 0 and ``top_p`` 1 are off.
+VALID = {
+    "max_new_tokens": lambda v: is_whole(v, 1),
+    "pad_token_id": lambda v: is_whole(v, 0),
+    "eos_token_ids": lambda v: isinstance(v, (tuple, list)) and all(is_whole(i, 0) for i in v),
+    "temperature": lambda v: is_finite(v) and v >= 0,
+    "top_k": lambda v: is_whole(v, 0),
+    "top_p": lambda v: is_finite(v) and 0 < v <= 1,
+}
+ANY_VALUE = st.one_of(
+    st.integers(-3, 3),
+    st.floats(-2, 2),
+    st.sampled_from([0.0, -0.0, 1.0, 5e-324, math.inf, -math.inf, math.nan, 1 + 1e-9]),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=2),
+    st.lists(st.integers(-2, 3), max_size=3).flatmap(lambda ids: st.sampled_from([ids, tuple(ids)])),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(field=st.sampled_from(sorted(VALID)), value=ANY_VALUE)
+def test_sampling_params_accept_exactly_the_valid_values(field, value) -> None:
+    """On main ``temperature=-1`` sampled the inverted distribution and ``top_p=0`` raised an index error
+    at the first draw; every field is now refused on construction, naming it."""
+    if VALID[field](value):
+        assert getattr(params(**{field: value}), field) == value
+    else:
+        with pytest.raises(ValueError, match=rf"^SamplingParams\.{field}=.*: must be "):
+            params(**{field: value})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    logits=st.lists(st.floats(-30, 30), min_size=1, max_size=8),
+    temperature=st.one_of(st.just(0.0), st.floats(0.05, 20)),
+    top_k=st.integers(0, 10),
+    top_p=st.one_of(st.just(5e-324), st.floats(1e-6, 1)),
+    seed=st.integers(0, 2**31),
+)
+def test_every_accepted_setting_draws_a_token_the_filters_allow(
+    logits, temperature, top_k, top_p, seed
+) -> None:
+    """The smallest top_p keeps the most likely token (on main a top_p below float32's precision kept
+    none, and the draw raised an index error); log-probs are those of softmax(logits / T)."""
+    sampling = params(temperature=temperature, top_k=top_k, top_p=top_p)
+    row = torch.tensor([logits])
+    tokens, log_probs = sample_next(row, sampling, torch.Generator().manual_seed(seed))
+    token = int(tokens[0])
+    assert 0 <= token < len(logits)
+    if sampling.greedy or top_p == 5e-324:  # below float32's precision: only the most likely token
+        assert row[0, token] == row.max()
+    reference = torch.tensor(logits, dtype=torch.float64) / (temperature or 1.0)
+    assert float(log_probs[0]) == pytest.approx(float(reference.log_softmax(0)[token]), abs=1e-4)

@@ -180,25 +180,36 @@ def _run_plugins(args: argparse.Namespace) -> int:
 
 def _run_config(args: argparse.Namespace) -> int:
     from verl_core.config import dump_yaml
-    from verl_core.trainer.preflight import describe_kind, preflight, trainer_kind
+    from verl_core.trainer.preflight import data_kind, describe_kind, preflight
 
     # The RL rules apply to an RL config, which the training data tells once the config has loaded.
     config = _load_run_config(args, rl_rules=args.for_command == "train")
     if config is None:
         return 2
-    kind = {"train": "rl", "sft": "sft"}.get(args.for_command) or trainer_kind(config)
-    if kind == "rl" and args.for_command is None:
-        config = _load_run_config(args, rl_rules=True, quiet=True)
-        if config is None:
-            return 2
+    kind = {"train": "rl", "sft": "sft"}.get(args.for_command)
+    told_by_data = True
+    if kind is None:
+        kind = data_kind(config)
+        if kind is None:  # no data to tell (a fresh clone of the demo): an RL config meets the RL rules
+            told_by_data = False
+            with contextlib.redirect_stderr(io.StringIO()):
+                rl_config = _load_run_config(args, rl_rules=True, quiet=True)
+            kind, config = ("rl", rl_config) if rl_config is not None else ("sft", config)
+        elif kind == "rl":
+            config = _load_run_config(args, rl_rules=True, quiet=True)
+            if config is None:
+                return 2
+    described = describe_kind(kind, detected=args.for_command is None, told_by_data=told_by_data)
     if not args.no_file_checks:
         try:
             preflight(config, kind)
         except VerlCoreError as error:
             print(error, file=sys.stderr)
+            if not told_by_data:  # why the RL rules were not among the errors
+                print(f"verl-core: {described}", file=sys.stderr)
             return 2
     sys.stdout.write(dump_yaml(config))
-    print(f"verl-core: {describe_kind(kind, detected=args.for_command is None)}", file=sys.stderr)
+    print(f"verl-core: {described}", file=sys.stderr)
     return 0
 
 
@@ -336,14 +347,23 @@ def _run_trainer(args: argparse.Namespace, import_trainer: Any, rl_rules: bool) 
 def _say_if_sft_config(args: argparse.Namespace) -> None:
     """After ``train`` refused a config: say so when it is an SFT config, the likelier mistake than
     the RL rules it broke (a critic for 'gae', say)."""
-    from verl_core.trainer.preflight import trainer_kind
+    from verl_core.trainer.preflight import data_kind
 
     with contextlib.redirect_stderr(io.StringIO()):
         config = _load_run_config(args, rl_rules=False, quiet=True)
-    if config is not None and trainer_kind(config) == "sft":
+    if config is None:
+        return
+    kind = data_kind(config)
+    if kind == "sft":
         print(
             "verl-core: this is an SFT config (the rows of data.train_files have the data.response_key "
             "column): run it with `verl-core sft`",
+            file=sys.stderr,
+        )
+    elif kind is None:
+        print(
+            "verl-core: if this is an SFT config, run it with `verl-core sft`: data.train_files[0] cannot be "
+            "read to tell (`verl-core config` with the same arguments lists the missing files)",
             file=sys.stderr,
         )
 

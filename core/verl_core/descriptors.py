@@ -7,15 +7,18 @@ listing plugins stays fast.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
 import importlib
 import re
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
 
-from verl_core.deprecation import declare, warn_deprecated
+from verl_core.deprecation import declare
 
 #: Version of the engine contract (``verl_core.engine.BaseEngine`` and the loss contract), the newest
 #: one this core speaks. A backend declares the version it targets (``EngineBackend.api_version``).
@@ -124,6 +127,21 @@ UNSTATED_API_VERSION_DEPRECATION = declare(
 )
 
 
+#: The plugin whose module discovery imports, or whose hook the registry calls, as messages name it
+#: (``plugin 'ddp' (verl-ddp 0.1.0)``): a descriptor made meanwhile names it in its warnings.
+_PROVIDER: contextvars.ContextVar[str | None] = contextvars.ContextVar("verl_core_provider", default=None)
+
+
+@contextlib.contextmanager
+def providing(provider: str) -> Iterator[None]:
+    """Within the block, descriptors are made by ``provider`` (discovery and the registry use it)."""
+    token = _PROVIDER.set(provider)
+    try:
+        yield
+    finally:
+        _PROVIDER.reset(token)
+
+
 def _check_api_version(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is None:  # read as UNSTATED_API_VERSION (with a warning) by __attrs_post_init__
         return
@@ -173,8 +191,14 @@ class EngineBackend:
 
     def __attrs_post_init__(self) -> None:
         if self.api_version is None:
+            provider = _PROVIDER.get()
+            who = f"{provider}, engine backend '{self.name}'" if provider else f"engine backend '{self.name}'"
             # Attributed to the plugin's line that builds the descriptor (through attrs' __init__).
-            warn_deprecated(UNSTATED_API_VERSION_DEPRECATION, stacklevel=3)
+            warnings.warn(
+                f"{who}: {UNSTATED_API_VERSION_DEPRECATION.message}",
+                UNSTATED_API_VERSION_DEPRECATION.category,
+                stacklevel=3,
+            )
             object.__setattr__(self, "api_version", UNSTATED_API_VERSION)
 
     def load_engine(self) -> type:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -108,6 +108,27 @@ class BaseEngine(abc.ABC):
                 ]
             )
         return options
+
+    @classmethod
+    def check_before_start(
+        cls,
+        config: EngineConfig,
+        *,
+        role: str,
+        model_config: Mapping[str, Any],
+        world_size: int,
+        config_path: str,
+    ) -> list[tuple[str, str]]:
+        """The problems of ``config`` that its model and the job's size tell before any rank starts,
+        each ``(key, message)``: the key under ``config_path`` (``actor.engine.ulysses.sp_size``), the
+        message naming the fix. ``model_config`` is the model folder's ``config.json``, ``world_size``
+        the ranks the role runs on, ``config.options`` the backend's options (an instance of
+        ``options_class``, or ``None`` for its defaults). The run's checks (``verl-core config``,
+        ``train``, ``sft``) call it on the driver, where no process group exists, before any worker
+        starts; a backend whose layout depends on the model or the world (attention heads per
+        sequence-parallel rank, say) overrides it, and can call it from ``initialize()`` too, so that
+        each rule has one home. The default finds nothing."""
+        return []
 
     # -- lifecycle -------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from verl_core.hookspecs import Kind
 
 if TYPE_CHECKING:
     from verl_core.plugins import Registry
+    from verl_core.plugins.registry import Entry
 
 
 def build_engine(
@@ -65,6 +66,16 @@ def build_engine(
     refusal = lora_refusal(config, registry, config_path)
     if refusal is not None:
         raise ConfigError([refusal])
+    return _construct(load_engine_class(entry), config, role, config_path)
+
+
+def load_engine_class(entry: Entry) -> type[BaseEngine]:
+    """The engine class of the engine backend ``entry``, imported and checked: a ``BaseEngine`` subclass
+    whose ``options_class`` is the descriptor's ``config`` class. Raises ``PluginLoadError`` when the
+    import string does not import (naming the plugin, its distribution, the string and the cause, which
+    is chained) and ``PluginValidationError`` otherwise. The run's early checks call it on the driver
+    (``verl_core.trainer.preflight``), so that a plugin's broken engine is refused before any rank starts."""
+    backend, provider = entry.descriptor, entry.provider
     engine_class = entry.load("engine")
     if not (isinstance(engine_class, type) and issubclass(engine_class, BaseEngine)):
         raise PluginValidationError(
@@ -81,7 +92,7 @@ def build_engine(
             f"{engine_class.options_class.__module__}.{engine_class.options_class.__qualname__}; make them "
             "the same class"
         )
-    return _construct(engine_class, config, role, config_path)
+    return engine_class
 
 
 def lora_refusal(config: EngineConfig, registry: Registry, config_path: str) -> tuple[str, str] | None:

@@ -22,6 +22,7 @@ import attrs
 import pluggy
 
 from verl_core import __version__, hookspecs
+from verl_core.descriptors import providing
 from verl_core.errors import PluginError, PluginLoadError, PluginValidationError, PluginWarning
 from verl_core.plugins import messages
 from verl_core.plugins.switches import ENV_BLOCK, Switches
@@ -140,7 +141,8 @@ class PluginManager(pluggy.PluginManager):
                 self._record_blocked(info)
                 continue
             try:
-                plugin = entry_point.load()
+                with providing(info.provider):  # descriptors made at import name the plugin
+                    plugin = entry_point.load()
             except Exception as exc:
                 self._record_import_error(info, exc)
                 continue
@@ -153,7 +155,8 @@ class PluginManager(pluggy.PluginManager):
             self._record_blocked(info)
             return
         try:
-            plugin = importlib.import_module(module_name)
+            with providing(info.provider):
+                plugin = importlib.import_module(module_name)
         except Exception as exc:
             self._record_import_error(info, exc)
             return

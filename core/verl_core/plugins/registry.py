@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import attrs
 
-from verl_core.descriptors import ENGINE_API_VERSION, MIN_ENGINE_API_VERSION, load_object
+from verl_core.descriptors import ENGINE_API_VERSION, MIN_ENGINE_API_VERSION, load_object, providing
 from verl_core.errors import (
     ApiVersionError,
     DuplicateNameError,
@@ -186,7 +186,8 @@ class Registry:
         if not implementations:
             return []
         try:
-            results = caller()
+            with providing(info.provider):
+                results = caller()
         except Exception as exc:
             error = PluginLoadError(
                 f"{info.provider}: hook {kind.hook}() raised {type(exc).__name__}: {exc}. "

@@ -31,6 +31,8 @@ def filter_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # A token is dropped when the tokens before it already reach top_p.
         drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p
+        # The most likely token stays: a top_p below the logits' precision compares as 0 there.
+        drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return scaled

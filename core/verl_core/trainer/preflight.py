@@ -2,10 +2,12 @@
 
 ``verl-core config`` runs these checks, and so do ``verl-core train`` / ``sft`` (through the trainers'
 ``from_config``) before Ray or an engine starts: a missing file, a model folder that is not one, a
-tokenizer larger than the model's vocabulary, truncated weights, an unwritable or another run's
-checkpoint folder, a logger whose package is not installed. Each problem is ``(key, message)``, the key
-being the config key to fix, as ``ConfigError`` reports it. Reading is cheap on purpose: file headers,
-the first rows of a dataset, ``config.json``; the models themselves are loaded by the engines.
+tokenizer larger than the model's vocabulary, truncated weights, an engine backend whose engine does
+not import or whose options the model or the world size cannot take (``BaseEngine.check_before_start``),
+an unwritable or another run's checkpoint folder, a logger whose package is not installed. Each problem
+is ``(key, message)``, the key being the config key to fix, as ``ConfigError`` reports it. Reading is
+cheap on purpose: file headers, the first rows of a dataset, ``config.json``; the models themselves are
+loaded by the engines.
 """
 
 from __future__ import annotations
@@ -16,15 +18,19 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from verl_core.config.engine import EngineConfig, ModelConfig
 from verl_core.config.run import RunConfig
 from verl_core.config.validators import each_rule
 from verl_core.data.files import read_file
 from verl_core.errors import CheckpointError, ConfigError, DataError, VerlCoreError
+from verl_core.hookspecs import Kind
 from verl_core.toolkit.integrity import file_problem
 from verl_core.trainer import checkpoints
+
+if TYPE_CHECKING:
+    from verl_core.plugins import Registry
 
 #: Which trainer a config is for: ``verl-core train`` (``rl``) or ``verl-core sft``.
 TrainerKind = Literal["rl", "sft"]
@@ -33,19 +39,26 @@ LOGGER_PACKAGES = {"tensorboard": ("tensorboard", 'pip install "verl-core[tensor
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
-def preflight(config: RunConfig, kind: TrainerKind) -> None:
+def preflight(config: RunConfig, kind: TrainerKind, registry: Registry | None = None) -> None:
     """Raise a ``ConfigError`` listing every problem ``check_run`` finds; nothing when there is none."""
-    problems = list(check_run(config, kind))
+    problems = list(check_run(config, kind, registry))
     if problems:
         raise ConfigError(problems)
 
 
-def check_run(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]:
-    """Every problem of ``config`` for the ``kind`` of run, each rule independent of the others."""
+def check_run(
+    config: RunConfig, kind: TrainerKind, registry: Registry | None = None
+) -> Iterator[tuple[str, str]]:
+    """Every problem of ``config`` for the ``kind`` of run, each rule independent of the others;
+    ``registry`` resolves the backends (default: the installed plugins)."""
+    from verl_core.plugins.registry import registry_or_installed
+
+    registry = registry_or_installed(registry)
     yield from each_rule(
         lambda: _datasets(config, kind),
         lambda: _models(config, kind),
-        lambda: _adapters(config, kind),
+        lambda: _engines(config, registry),
+        lambda: _adapters(config, registry),
         lambda: _checkpoint_dir(config, kind),
         lambda: _writable("trainer.run_dir", config.trainer.run_dir),
         lambda: _loggers(config),
@@ -53,15 +66,21 @@ def check_run(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]
 
 
 def trainer_kind(config: RunConfig) -> TrainerKind:
+    """``data_kind``, and ``rl`` when the data cannot tell."""
+    return data_kind(config) or "rl"
+
+
+def data_kind(config: RunConfig) -> TrainerKind | None:
     """``sft`` when the first row of ``data.train_files`` has a ``data.response_key`` column (the
-    prompt/response pairs ``verl-core sft`` trains on), else ``rl``; what ``verl-core config`` checks a
-    config as when not told."""
+    prompt/response pairs ``verl-core sft`` trains on), ``rl`` when it has not; ``None`` when there is
+    no first row to read (no file, a missing or unreadable one, an empty one): then the data cannot
+    tell, and ``verl-core config`` guesses from the rules the config meets."""
     if not config.data.train_files:
-        return "rl"
+        return None
     try:
         first = read_file(config.data.train_files[0], "data.train_files[0]")[0]
     except (DataError, IndexError):
-        return "rl"  # the file's own problem is reported by the checks
+        return None  # the file's own problem is reported by the checks
     return "sft" if config.data.response_key in first else "rl"
 
 
@@ -117,16 +136,67 @@ def _model_paths(config: RunConfig) -> dict[str, str]:
     return {f"{where}.model.path": engine.model.path for where, engine in _engine_sections(config).items()}
 
 
-def _adapters(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str, str]]:
+def _engines(config: RunConfig, registry: Registry) -> Iterator[tuple[str, str]]:
+    """Each engine backend the run uses, its engine class imported here on the driver (every rank
+    imports it at start-up: one that does not import is refused now, at the key that chose it), then
+    asked what the model's config.json and the run's world size tell about its section
+    (``BaseEngine.check_before_start``: attention heads per sequence-parallel rank, say)."""
+    from verl_core.engine.factory import load_engine_class
+
+    world_size = config.trainer.world_size if config.trainer.workers == "ray" else 1
+    for where, engine in _engine_sections(config).items():
+        key = f"{where}.backend"
+        try:
+            entry = registry.entry(Kind.ENGINE_BACKENDS, engine.backend, where=key)
+        except VerlCoreError:  # an unknown or unusable backend: the config load reports it
+            continue
+        try:
+            engine_class = load_engine_class(entry)
+        except VerlCoreError as error:  # naming the plugin, its distribution and the import string
+            yield key, str(error)
+            continue
+        model_config = _model_config(engine.model.path)
+        if model_config is None:  # the model folder's own problem: reported by the model checks
+            continue
+        check = engine_class.check_before_start
+        try:
+            yield from check(
+                engine,
+                role="value" if where == "critic.engine" else "lm",
+                model_config=model_config,
+                world_size=world_size,
+                config_path=where,
+            )
+        except ConfigError as error:
+            yield from error.errors
+        except Exception as error:  # a bug in the plugin's check: named, not a traceback
+            yield (
+                key,
+                f"engine backend '{entry.name}' from {entry.provider}: {engine_class.__qualname__}."
+                f"check_before_start raised {type(error).__name__}: {error}; fix or upgrade the plugin",
+            )
+
+
+def _model_config(path: str) -> dict[str, Any] | None:
+    """The model folder's config.json; ``None`` when it cannot be read (``_models`` says why)."""
+    from verl_core.toolkit.export import HF_CONFIG_FILE
+
+    try:
+        model_config = json.loads((Path(path).expanduser() / HF_CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return model_config if isinstance(model_config, dict) else None
+
+
+def _adapters(config: RunConfig, registry: Registry) -> Iterator[tuple[str, str]]:
     """LoRA on backends that train it (``EngineBackend(lora=True)``), and the adapters the engines
     start from (``model.lora_adapter_path``)."""
     from verl_core.engine.factory import lora_refusal
-    from verl_core.plugins import get_registry
 
     for where, engine in _engine_sections(config).items():
         if engine.model.lora:
             try:
-                refusal = lora_refusal(engine, get_registry(), where)
+                refusal = lora_refusal(engine, registry, where)
             except VerlCoreError:  # the backend cannot be used: the config load reports why
                 refusal = None
             if refusal is not None:
@@ -294,14 +364,27 @@ def _loggers(config: RunConfig) -> Iterator[tuple[str, str]]:
             )
 
 
-def describe_kind(kind: TrainerKind, detected: bool) -> str:
-    """One line saying which trainer a config was checked for, and why."""
+#: Why ``verl-core config`` checked a config as it did, when the data told it.
+_KIND_REASONS = {
+    "sft": "the rows of data.train_files have the data.response_key column",
+    "rl": "no data.response_key column in data.train_files",
+}
+
+
+def describe_kind(kind: TrainerKind, detected: bool, told_by_data: bool = True) -> str:
+    """One line saying which trainer a config was checked for, and why: ``detected`` from the data
+    (``data_kind``), or, when the data could not be read (``told_by_data=False``), from the rules the
+    config meets: an SFT config need not follow the RL trainer's, so one that breaks them is taken for
+    an SFT config rather than reported for them."""
     command = "verl-core sft" if kind == "sft" else "verl-core train"
-    reason = ""
-    if detected:
-        reason = (
-            " (the rows of data.train_files have the data.response_key column)"
-            if kind == "sft"
-            else " (no data.response_key column in data.train_files)"
+    if not detected:
+        return f"checked as a config for `{command}`"
+    if told_by_data:
+        return f"checked as a config for `{command}` ({_KIND_REASONS[kind]})"
+    unread = "data.train_files[0] cannot be read to tell an SFT config from an RL one"
+    if kind == "sft":
+        return (
+            f"checked as a config for `{command}`: {unread}, and this one breaks the rules of "
+            "`verl-core train` (--for train lists them); once the data is there the check tells them apart"
         )
-    return f"checked as a config for `{command}`{reason}"
+    return f"checked as a config for `{command}`: {unread} (--for sft checks it for `verl-core sft`)"

@@ -135,7 +135,7 @@ class RLTrainer(Trainer):
         checkpoint it would resume from is at the run's last step."""
         from verl_core.trainer.build import build_roles, load_tokenizer, workers_description
 
-        preflight(config, TRAINER_KIND)
+        preflight(config, TRAINER_KIND, registry)
         import_tools_file(config.rollout.agent)  # it runs: here, not in preflight (verl-core config)
         with console.phase("loading the tokenizer and the datasets"):
             tokenizer = load_tokenizer(config.actor.engine.model)

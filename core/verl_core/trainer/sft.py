@@ -85,7 +85,7 @@ class SFTTrainer(Trainer):
         checkpoint it would resume from is at the run's last step."""
         from verl_core.trainer.build import WorkerMaker, load_tokenizer, worker_group, workers_description
 
-        preflight(config, TRAINER_KIND)
+        preflight(config, TRAINER_KIND, registry)
         with console.phase("loading the tokenizer and the datasets"):
             tokenizer = load_tokenizer(config.actor.engine.model)
             train_data, val_data = load_sft_datasets(config.data, config.rollout, tokenizer)

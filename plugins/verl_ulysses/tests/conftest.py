@@ -7,6 +7,7 @@ import types
 from pathlib import Path
 
 import pytest
+from fixtures import session
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +17,9 @@ def ulysses_jobs() -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory):
+    """The demo's small assets, the ones core's tests use (tests/fixtures/session.py)."""
+    return session.demo(tmp_path_factory)

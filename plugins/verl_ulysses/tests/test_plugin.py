@@ -87,6 +87,43 @@ def test_layouts_that_cannot_work_are_refused_by_key_all_at_once() -> None:
         check_layout(UlyssesConfig(sp_size=2, dp_shard_size=3), QWEN, 4)
 
 
+def test_a_layout_the_model_or_the_job_cannot_take_is_refused_before_any_worker_starts(
+    demo, tmp_path, capsys, monkeypatch
+) -> None:
+    """The model's config.json and trainer.world_size are known on the driver: `verl-core config` and
+    `train` refuse the layout at its keys (on main, `config` passed it and `train` started the Ray
+    workers, whose engines refused it)."""
+    from fixtures.demo import run_overrides
+    from verl_core.cli import main
+    from verl_core.trainer import build
+
+    monkeypatch.setattr(build, "build_roles", lambda *a, **k: pytest.fail("workers started"))
+    # The demo's model has 4 attention heads and 2 KV heads; 3 SP ranks do not divide 4 ranks either.
+    layout = {"actor.engine.ulysses.sp_size": 3, "trainer.workers": "ray", "trainer.world_size": 4}
+    overrides = run_overrides(
+        demo, tmp_path, backend="ulysses", **layout, **{"actor.engine.model.attn_implementation": "eager"}
+    )
+    for command in ("config", "train"):
+        assert main([command, *overrides]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        sp_size = [
+            line for line in err.splitlines() if line.strip().startswith("actor.engine.ulysses.sp_size:")
+        ]
+        assert len(sp_size) == 3, err
+        assert "3 does not divide the model's 4 num_attention_heads" in sp_size[0]
+        assert "2 num_key_value_heads do not divide one another" in sp_size[1]
+        assert "does not divide the 4 ranks of the job" in sp_size[2]
+        assert "  actor.engine.model.attn_implementation: 'eager': at sp_size > 1" in err
+    # The same layout over 6 ranks at sp 2 fits; in process (one rank) sp 2 does not.
+    fits = {**layout, "actor.engine.ulysses.sp_size": 2, "trainer.world_size": 6}
+    assert main(["config", *run_overrides(demo, tmp_path, backend="ulysses", **fits)]) == 0
+    capsys.readouterr()
+    in_process = {**fits, "trainer.workers": "in_process"}
+    assert main(["config", *run_overrides(demo, tmp_path, backend="ulysses", **in_process)]) == 2
+    assert "does not divide the 1 ranks of the job" in capsys.readouterr().err
+
+
 def engine_config(model_dir: str, **fields) -> EngineConfig:
     options = UlyssesConfig(**fields.pop("options", {}))
     return EngineConfig(

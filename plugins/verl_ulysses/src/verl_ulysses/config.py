@@ -4,8 +4,9 @@ against a model and a job.
 Light on purpose (attrs only, no torch): core structures and validates these options while a config
 loads, before any backend is imported. What needs the model's config or the job's size (attention
 heads divisible by the SP size, KV heads dividing or divisible by it, ``dp x sp`` equal to the world)
-is ``check_layout``, which the engine calls at the start of ``initialize()``, before any process group
-is made, with every problem reported at once under its full path.
+is ``check_layout``, with every problem reported at once under its full path: core runs it before any
+worker starts (``UlyssesEngine.check_before_start``, with the model's config.json and the run's world
+size), and the engine again at the start of ``initialize()``, before any process group is made.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ sequence parallelism around attention, and its own ``torch.distributed.checkpoin
 
 Built on verl-core's ``HFEngine`` like the DDP template; what it overrides:
 
-- ``initialize``: checks the layout against the model and the job (``check_layout``), builds the
-  mesh's groups, then lets ``HFEngine`` load, wrap and build AdamW and the LR schedule;
+- ``check_before_start``: the layout against the model's config.json and the job's size
+  (``check_layout``), which core checks before any rank starts;
+- ``initialize``: checks the layout again in the job it is in, builds the mesh's groups, then lets
+  ``HFEngine`` load, wrap and build AdamW and the LR schedule;
 - ``load_model``: the architecture on the meta device (attention switched to Ulysses at ``sp > 1``);
 - ``wrap_model``: ``fully_shard`` per decoder layer and root over ``dp_shard x sp``, ``to_empty``,
   weights from rank 0, non-persistent buffers recomputed (``verl_ulysses.loading``);
@@ -26,7 +28,8 @@ Without ``torch.distributed`` the engine runs the plain model (``sp_size`` must 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -48,7 +51,7 @@ from verl_core.toolkit import (
 )
 
 from verl_ulysses import ulysses
-from verl_ulysses.config import MeshShape, UlyssesConfig, check_layout
+from verl_ulysses.config import HEADS, MeshShape, UlyssesConfig, check_layout
 from verl_ulysses.loading import load_from_rank0
 from verl_ulysses.mesh import ParallelMesh, build_mesh
 
@@ -107,6 +110,54 @@ class UlyssesEngine(HFEngine):
             self.mesh = build_mesh(shape, self.device.type)
         super().initialize()
 
+    @classmethod
+    def check_before_start(
+        cls,
+        config: EngineConfig,
+        *,
+        role: str,
+        model_config: Mapping[str, Any],
+        world_size: int,
+        config_path: str,
+    ) -> list[tuple[str, str]]:
+        """The layout against the model and the job (``check_layout``) and what ``sp_size > 1`` asks of
+        the model section, every problem under its key: core runs it before any rank starts (the model's
+        config.json, the run's world size), ``initialize()`` again in the job it is in."""
+        options = config.options if config.options is not None else UlyssesConfig()
+        where = f"{config_path}.{BACKEND}"
+        if HEADS not in model_config:
+            return [
+                (
+                    f"{where}.sp_size",
+                    f"the model's config.json has no {HEADS}, which this backend splits over the SP ranks; "
+                    "use a model whose config states it (Llama, Qwen2, Mistral, ...)",
+                )
+            ]
+        errors: list[tuple[str, str]] = []
+        try:
+            check_layout(options, model_config, world_size, where)
+        except ConfigError as error:
+            errors += error.errors
+        model = config.model
+        if options.sp_size > 1 and model.attn_implementation != "sdpa":
+            errors.append(
+                (
+                    f"{config_path}.model.attn_implementation",
+                    f"{model.attn_implementation!r}: at sp_size > 1 attention runs this backend's "
+                    "Ulysses attention (SDPA over the whole sequence); set 'sdpa', or sp_size: 1",
+                )
+            )
+        if options.sp_size > 1 and model.compile_layers:
+            errors.append(
+                (
+                    f"{config_path}.model.compile_layers",
+                    "compiles the decoder layers, whose attention at sp_size > 1 runs all-to-alls "
+                    "across ranks, which this backend has not proven under torch.compile: unset it, "
+                    "or sp_size: 1",
+                )
+            )
+        return errors
+
     def _check_layout(self, world_size: int, distributed: bool) -> MeshShape:
         """The mesh, or every reason it cannot be, at once, each under its key."""
         model = self.config.model
@@ -114,40 +165,23 @@ class UlyssesEngine(HFEngine):
             check_model_dir(model.path, f"{self.config_path}.model.path"),
             trust_remote_code=model.trust_remote_code,
             local_files_only=True,
+        ).to_dict()
+        errors = self.check_before_start(
+            self.config,
+            role=self.role,
+            model_config=hf_config,
+            world_size=world_size,
+            config_path=self.config_path,
         )
-        errors: list[tuple[str, str]] = []
-        try:
-            shape = check_layout(self.options, hf_config.to_dict(), world_size, self._options_path)
-        except ConfigError as error:
-            errors += error.errors
-            shape = None
-        if self.options.sp_size > 1:
-            if not distributed:
-                errors.append(
-                    (
-                        f"{self._options_path}.sp_size",
-                        f"{self.options.sp_size} needs a torch.distributed process group of that many ranks "
-                        "or more: in the trainer set trainer.workers=ray; embedding the engine, call "
-                        "torch.distributed.init_process_group before initialize()",
-                    )
+        if self.options.sp_size > 1 and not distributed:
+            errors.append(
+                (
+                    f"{self._options_path}.sp_size",
+                    f"{self.options.sp_size} needs a torch.distributed process group of that many ranks "
+                    "or more: in the trainer set trainer.workers=ray; embedding the engine, call "
+                    "torch.distributed.init_process_group before initialize()",
                 )
-            if model.attn_implementation != "sdpa":
-                errors.append(
-                    (
-                        f"{self.config_path}.model.attn_implementation",
-                        f"{model.attn_implementation!r}: at sp_size > 1 attention runs this backend's "
-                        "Ulysses attention (SDPA over the whole sequence); set 'sdpa', or sp_size: 1",
-                    )
-                )
-            if model.compile_layers:
-                errors.append(
-                    (
-                        f"{self.config_path}.model.compile_layers",
-                        "compiles the decoder layers, whose attention at sp_size > 1 runs all-to-alls "
-                        "across ranks, which this backend has not proven under torch.compile: unset it, "
-                        "or sp_size: 1",
-                    )
-                )
+            )
         if not distributed:
             for name in ("param_dtype", "reduce_dtype"):
                 if getattr(self.options, name) is not None:
@@ -160,7 +194,7 @@ class UlyssesEngine(HFEngine):
                     )
         if errors:
             raise ConfigError(errors)
-        return shape
+        return check_layout(self.options, hf_config, world_size, self._options_path)
 
     def load_model(self) -> torch.nn.Module:
         """The architecture on the meta device; its weights arrive in ``wrap_model``. Without a process

@@ -27,8 +27,16 @@ def test_grpo_on_two_fsdp_ranks_under_ray_validates_batches_that_do_not_split_as
 ) -> None:
     """Validation batches of 3, 3 and 2 prompts over 2 DP ranks (each rank generates its share, one
     rank gets one prompt more): the score before training is the one a single in-process rank gives
-    (greedy decoding, the same weights)."""
-    changes = {"trainer.test_freq": 2, "data.val_batch_size": 3}
+    (greedy decoding, the same weights), scored by a reward that tells the untrained model's
+    responses apart (the digit-reversal reward scores them all 0)."""
+    (tmp_path / "variety.py").write_text(
+        "def score(prompt, response, extra):\n    return len(set(response)) / 8\n"
+    )
+    changes = {
+        "trainer.test_freq": 2,
+        "data.val_batch_size": 3,
+        "reward.function": f"{tmp_path / 'variety.py'}:score",
+    }
     overrides = run_overrides(
         demo,
         tmp_path,
@@ -54,7 +62,7 @@ def test_grpo_on_two_fsdp_ranks_under_ray_validates_batches_that_do_not_split_as
         expected = one_rank.validate(0)
     finally:
         one_rank.shutdown()
-    assert {key: lines[0][key] for key in expected} == expected
+    assert {key: lines[0][key] for key in expected} == expected and expected["val/score/mean"] > 0
     # The same responses, in the same order: the logged samples are the first prompts' generations.
     samples = [
         validation_samples_path(folder / "run", 0).read_text() for folder in (tmp_path, tmp_path / "one_rank")

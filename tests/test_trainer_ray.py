@@ -311,7 +311,8 @@ def test_grpo_with_lora_on_two_fsdp_ranks_under_ray_exports_what_it_trained(
     demo, tmp_path, ray_cluster
 ) -> None:
     """The acceptance run of LoRA (docs/lora.md): the merged export and the adapter folder both give
-    the trained policy's log-probs, as the sharded engine computes them."""
+    the trained policy's log-probs, as the sharded engine computes them (for a batch that does not
+    divide over the ranks)."""
     import peft
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -334,7 +335,8 @@ def test_grpo_with_lora_on_two_fsdp_ranks_under_ray_exports_what_it_trained(
         },
     )
     trainer = RLTrainer.from_config(load_config([], overrides), show_progress=False)
-    samples = make_samples(seed=2, vocab_size=AutoConfig.from_pretrained(demo.model).vocab_size)[:4]
+    # 3 sequences on 2 DP ranks: filled with a copy to equal shards, its log-probs dropped.
+    samples = make_samples(seed=2, vocab_size=AutoConfig.from_pretrained(demo.model).vocab_size)[:3]
     batch = collate(samples)
     try:
         final = trainer.fit()

@@ -135,9 +135,8 @@ class SFTTrainer(Trainer):
             rows = self.val_data.select(indices)
             batch = sft_batch(rows, self.tokenizer.pad_token_id, multiple_of=self.actor.dp_size)
             count = int(batch[RESPONSE_MASK].sum())
-            nll += (
-                self.actor.compute_loss(batch, "data.val_batch_size")["loss"] * count
-            )  # each batch's mean, weighted by its tokens
+            loss = self.actor.compute_loss(batch, "data.val_batch_size")["loss"]
+            nll += loss * count  # each batch's mean, weighted by its tokens
             tokens += count
         return {VAL_LOSS_KEY: nll / tokens}
 

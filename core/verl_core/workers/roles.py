@@ -4,10 +4,10 @@
 ``SFTWorker`` ranks (``verl_core.workers.ranks``), calling their methods by reference. They split
 every batch by the engines' topology (``verl_core.workers.dispatch``), call every rank, and return
 tensors in the batch's row order, so the trainer never sees a rank, a shard or a future. Generation
-and per-row forward passes take any number of rows; an update needs equal shards, and its caller names
-the config key that sets the batch's size, which a batch that does not divide is refused at. A role
-without a critic simply has no ``Critic``; the reference policy lives inside the actor and is asked
-for through ``Actor.compute_ref_log_probs``, which refuses clearly when no KL term built one.
+and per-row forward passes take any number of rows; an update needs equal shards, and a batch that
+does not divide is refused at the config key its caller names (the one that sets the batch's size).
+A role without a critic simply has no ``Critic``; the reference policy lives inside the actor and is
+asked for through ``Actor.compute_ref_log_probs``, which refuses clearly when no KL term built one.
 """
 
 from __future__ import annotations

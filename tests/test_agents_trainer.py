@@ -1,6 +1,7 @@
-"""The RL trainer with multi-turn rollouts, in process on the tiny chat model: a third-party environment
-(found through its entry point) that answers every turn, so that every response holds environment
-tokens; its reward replaces the reward function's; one training step and a validation run."""
+"""The RL trainer with multi-turn rollouts on the tiny chat model: a third-party environment (found
+through its entry point) that answers every turn, so that every response holds environment tokens; its
+reward replaces the reward function's; one training step and a validation run, in process, and on two
+data-parallel ranks under Ray with conversations that end at different turns."""
 
 from __future__ import annotations
 
@@ -33,19 +34,23 @@ ECHO_ENV = """
 from verl_core.agents import BaseEnvironment, StepResult
 
 class Echo(BaseEnvironment):
-    '''Answers every turn with the row's hint and rewards the model's text.'''
+    '''Answers every turn with the row's hint and rewards the model's text; ends the conversation
+    after the row's ``turns`` model turns, when it has that column.'''
 
     def __init__(self, config):
         pass
 
     def reset(self, row):
         self.extra = row.extra
+        self.turns = 0
 
     def step(self, model_text):
+        self.turns += 1
         # 0.75 for the target; else 0.25 or 0.5 by the text's length, so that a group's rewards vary
         # (dynamic sampling keeps only such groups) whatever the untrained model writes.
         reward = 0.75 if self.extra["target"] in model_text else 0.25 + 0.25 * (len(model_text) % 2)
-        return StepResult(observation={"role": "user", "content": self.extra["hint"]}, reward=reward)
+        done = self.turns == self.extra.get("turns")
+        return StepResult(observation={"role": "user", "content": self.extra["hint"]}, done=done, reward=reward)
 """
 
 
@@ -58,12 +63,26 @@ ALGORITHMS = {
 }
 
 
-def echo_run(tmp_path, folder: str = ".", **changes) -> tuple[RLTrainer, dict]:
-    """A run in process on the tiny chat model whose every turn the third-party ``echo`` environment
-    answers: the trainer (shut down) and the last step's metrics."""
+def echo_rows(count: int, **columns) -> list[dict]:
+    """``count`` dataset rows for the ``echo`` environment; ``columns`` maps a column to its values."""
+    rows = [
+        {"prompt": f"say {n}", "target": str(n), "hint": "again", "ground_truth": "x"} for n in range(count)
+    ]
+    for column, values in columns.items():
+        for row, value in zip(rows, values, strict=True):
+            row[column] = value
+    return rows
+
+
+def echo_run(
+    tmp_path, folder: str = ".", train_rows: list | None = None, val_rows: list | None = None, **changes
+) -> tuple[RLTrainer, dict]:
+    """A run (in process unless ``changes`` say otherwise) on the tiny chat model whose every turn the
+    third-party ``echo`` environment answers, on 4 prompts unless given: the trainer (shut down) and
+    the last step's metrics."""
     model = build_chat_model_dir(tmp_path / "model")
-    rows = [{"prompt": f"say {n}", "target": str(n), "hint": "again", "ground_truth": "x"} for n in range(4)]
-    for split in ("train", "val"):
+    for split, rows in (("train", train_rows), ("val", val_rows)):
+        rows = echo_rows(4) if rows is None else rows
         (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     paths = SimpleNamespace(model=model, train=tmp_path / "train.jsonl", val=tmp_path / "val.jsonl")
     settings = {
@@ -187,3 +206,46 @@ def test_a_tools_file_that_fails_on_import_is_refused_before_any_worker_starts(
     ((key, message),) = error.value.errors
     assert key == "rollout.agent.tools"
     assert f"importing {tools} raised {cause}" in message and f"at line {line} of tools.py" in message
+
+
+def model_turns(batch, row: int) -> int:
+    """How many model turns response ``row`` holds: its runs of ``response_mask`` 1."""
+    mask = batch[RESPONSE_MASK][row].tolist()
+    return sum(1 for i, value in enumerate(mask) if value and (i == 0 or not mask[i - 1]))
+
+
+@pytest.mark.distributed
+def test_a_multi_turn_lora_run_on_two_ddp_ranks_under_ray_generates_odd_counts_of_conversations(
+    tmp_path, ray_cluster
+) -> None:
+    """At 2 DP ranks every turn generates for the conversations still going: 6 in the first turn of a
+    step, 3 in the second (one prompt's 3 end after one turn); 3 then 2 in the validations. Each rank
+    generates its share, one rank one more. The policy is a LoRA adapter on ddp, its reference the
+    base model (the adapter disabled) for the KL loss."""
+    trainer, final = echo_run(
+        tmp_path,
+        train_rows=echo_rows(2, turns=[1, 3]),
+        val_rows=echo_rows(3, turns=[1, 3, 3]),
+        **{
+            "trainer.workers": "ray",
+            "trainer.world_size": 2,
+            "data.train_batch_size": 2,
+            "actor.ppo_mini_batch_size": 2,
+            "rollout.n": 3,
+            "trainer.val_n": 1,
+            "actor.engine.model.lora_rank": 8,
+            "actor.policy_loss.use_kl_loss": "true",
+        },
+    )
+    assert trainer.actor.dp_size == 2
+    batch = trainer.last_batch
+    assert sorted(model_turns(batch, row) for row in range(6)) == [1, 1, 1, 2, 2, 2]
+    assert "timing/ref_log_probs" in final
+    assert all(
+        torch.isfinite(torch.tensor(value)) for key, value in final.items() if key.startswith("actor/")
+    )
+    assert set(batch[SCORES].tolist()) <= {0.25, 0.5, 0.75}
+    for step in (0, 1):
+        samples = validation_samples_path(tmp_path / "run", step).read_text().splitlines()
+        turns = sorted(sum("model" in turn for turn in json.loads(line)["turns"]) for line in samples)
+        assert turns == [1, 2, 2]

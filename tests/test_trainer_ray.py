@@ -15,18 +15,33 @@ from fixtures.demo import run_overrides
 
 from verl_core.config import load_config
 from verl_core.trainer.rl import RLTrainer
+from verl_core.trainer.run_files import validation_samples_path
 from verl_core.workers.group import WorkerError
 
 pytestmark = pytest.mark.distributed
 torch.set_num_threads(1)
 
 
-def test_grpo_on_two_fsdp_ranks_under_ray(demo, tmp_path, ray_cluster) -> None:
+def test_grpo_on_two_fsdp_ranks_under_ray_validates_batches_that_do_not_split_as_one_rank_does(
+    demo, tmp_path, ray_cluster
+) -> None:
+    """Validation batches of 3, 3 and 2 prompts over 2 DP ranks (each rank generates its share, one
+    rank gets one prompt more): the score before training is the one a single in-process rank gives
+    (greedy decoding, the same weights), scored by a reward that tells the untrained model's
+    responses apart (the digit-reversal reward scores them all 0)."""
+    (tmp_path / "variety.py").write_text(
+        "def score(prompt, response, extra):\n    return len(set(response)) / 8\n"
+    )
+    changes = {
+        "trainer.test_freq": 2,
+        "data.val_batch_size": 3,
+        "reward.function": f"{tmp_path / 'variety.py'}:score",
+    }
     overrides = run_overrides(
         demo,
         tmp_path,
         backend="fsdp",
-        **{"trainer.workers": "ray", "trainer.world_size": 2, "trainer.test_freq": 2, "trainer.save_freq": 2},
+        **{"trainer.workers": "ray", "trainer.world_size": 2, "trainer.save_freq": 2, **changes},
     )
     trainer = RLTrainer.from_config(load_config([], overrides), show_progress=False)
     try:
@@ -38,6 +53,21 @@ def test_grpo_on_two_fsdp_ranks_under_ray(demo, tmp_path, ray_cluster) -> None:
     assert [line["step"] for line in lines] == [0, 1, 2]
     assert final["actor/grad_norm"] > 0 and 0.0 <= final["reward/mean"] <= 1.0
     assert (tmp_path / "checkpoints" / "global_step_2" / "actor").is_dir()
+
+    one_rank = RLTrainer.from_config(
+        load_config([], run_overrides(demo, tmp_path / "one_rank", backend="fsdp", **changes)),
+        show_progress=False,
+    )
+    try:
+        expected = one_rank.validate(0)
+    finally:
+        one_rank.shutdown()
+    assert {key: lines[0][key] for key in expected} == expected and expected["val/score/mean"] > 0
+    # The same responses, in the same order: the logged samples are the first prompts' generations.
+    samples = [
+        validation_samples_path(folder / "run", 0).read_text() for folder in (tmp_path, tmp_path / "one_rank")
+    ]
+    assert samples[0] == samples[1] and samples[0].count("\n") == 8
 
 
 def test_ppo_with_a_critic_on_two_fsdp_ranks_under_ray(demo, tmp_path, ray_cluster) -> None:
@@ -281,7 +311,8 @@ def test_grpo_with_lora_on_two_fsdp_ranks_under_ray_exports_what_it_trained(
     demo, tmp_path, ray_cluster
 ) -> None:
     """The acceptance run of LoRA (docs/lora.md): the merged export and the adapter folder both give
-    the trained policy's log-probs, as the sharded engine computes them."""
+    the trained policy's log-probs, as the sharded engine computes them (for a batch that does not
+    divide over the ranks)."""
     import peft
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -304,7 +335,8 @@ def test_grpo_with_lora_on_two_fsdp_ranks_under_ray_exports_what_it_trained(
         },
     )
     trainer = RLTrainer.from_config(load_config([], overrides), show_progress=False)
-    samples = make_samples(seed=2, vocab_size=AutoConfig.from_pretrained(demo.model).vocab_size)[:4]
+    # 3 sequences on 2 DP ranks: filled with a copy to equal shards, its log-probs dropped.
+    samples = make_samples(seed=2, vocab_size=AutoConfig.from_pretrained(demo.model).vocab_size)[:3]
     batch = collate(samples)
     try:
         final = trainer.fit()

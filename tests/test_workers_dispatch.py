@@ -1,22 +1,39 @@
 """Dispatch by topology: DP shards balanced by length, results back in batch order, and the errors a
-layout or a batch size that cannot work gets."""
+layout or a batch size that cannot work gets. Generation and per-row forward passes take any number of
+rows at any DP size (in-process ranks laid out as a DP x tensor-parallel group, against the undivided
+computation); an update's equal shards are refused at the key its caller names."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tensordict import TensorDict
 
+from verl_core.data.batch import (
+    RESPONSE_MASK,
+    RESPONSES,
+    ROLLOUT_LOG_PROBS,
+    join_prompts_and_responses,
+    left_pad,
+)
 from verl_core.engine import Topology, check_topologies
 from verl_core.errors import ConfigError
+from verl_core.rollout.base import SamplingParams
 from verl_core.workers.dispatch import (
     balanced_shards,
     check_divisible,
+    filled_rows,
     gather_outputs,
     restore_order,
     shards_for_ranks,
+    split_batch,
 )
+from verl_core.workers.group import WorkerGroup
+from verl_core.workers.roles import Actor
 
 
 @settings(max_examples=60, deadline=None)
@@ -34,10 +51,14 @@ def test_shards_cover_every_row_once_with_equal_counts_and_restore_the_order(len
     torch.testing.assert_close(restore_order(parts, shards), values * 2)
 
 
-def test_a_batch_that_does_not_split_over_the_dp_ranks_names_the_key() -> None:
-    with pytest.raises(
-        ConfigError, match=r"data\.train_batch_size: 9 sequences cannot be split evenly over 2"
-    ):
+def test_an_update_batch_that_does_not_split_over_the_dp_ranks_names_the_callers_key() -> None:
+    batch = TensorDict({"attention_mask": torch.ones(9, 3, dtype=torch.int64)}, batch_size=[9])
+    with pytest.raises(ConfigError) as raised:
+        split_batch(batch, 2, "actor.ppo_mini_batch_size")
+    ((key, message),) = raised.value.errors
+    assert key == "actor.ppo_mini_batch_size"
+    assert message.startswith("9 rows cannot be split evenly over 2 data-parallel ranks")
+    with pytest.raises(ValueError, match="9 rows do not make 2 equal shards"):  # callers refuse or fill first
         balanced_shards([3] * 9, 2)
 
 
@@ -67,3 +88,116 @@ def test_outputs_come_from_one_output_rank_per_dp_rank() -> None:
         check_topologies([Topology(0, 2, True), Topology(1, 2, False)], "critic")
     with pytest.raises(RuntimeError, match="disagree on their data-parallel size"):
         check_topologies([Topology(0, 2, True), Topology(0, 1, True)], "actor")
+
+
+# -- any number of rows: in-process ranks of a DP x tensor-parallel layout ----------------------------
+
+SAMPLING = SamplingParams(max_new_tokens=8, eos_token_ids=(1,), pad_token_id=0)
+
+
+class PromptFunctionRollout:
+    """Answers each prompt with a function of its ids alone (length 1 to 5, log-probs from the ids),
+    whatever else is in the batch: the undivided generation is this rollout over every prompt at once."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[list[int]], int]] = []
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> TensorDict:
+        assert prompts, "a rollout was asked for no prompts"
+        self.calls.append(([list(prompt) for prompt in prompts], seed))
+        answers = [
+            [(3 * token + i) % 50 + 2 for i, token in enumerate(prompt)][: 1 + sum(prompt) % 5]
+            for prompt in prompts
+        ]
+        prompt_ids, prompt_mask = left_pad([list(prompt) for prompt in prompts], sampling.pad_token_id)
+        width = max(len(answer) for answer in answers)
+        responses = torch.full((len(prompts), width), sampling.pad_token_id)
+        mask = torch.zeros(len(prompts), width, dtype=torch.int64)
+        for row, answer in enumerate(answers):
+            responses[row, : len(answer)] = torch.tensor(answer)
+            mask[row, : len(answer)] = 1
+        batch = join_prompts_and_responses(prompt_ids, prompt_mask, responses, mask)
+        batch[ROLLOUT_LOG_PROBS] = -responses.float() / 100 * mask
+        return batch
+
+
+class Rank:
+    """One in-process rank: its place in the layout, a rollout, and a per-row forward pass whose
+    shard sizes it records (the ranks of a DP group must run equal, non-empty shards)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self.rollout = PromptFunctionRollout()
+        self.forward_rows: list[int] = []
+
+    def initialize(self) -> Topology:
+        return self.topology
+
+    def per_row(self, batch: TensorDict) -> torch.Tensor | None:
+        self.forward_rows.append(batch.batch_size[0])
+        values = (batch[RESPONSES] * 7 + batch[RESPONSE_MASK]).float().cumsum(dim=-1)
+        return values if self.topology.is_output_rank else None
+
+
+class Ranks(WorkerGroup):
+    """``dp_size x tp_size`` ranks in this process, DP-major (ranks of one DP group side by side, the
+    first of them its output rank), called in turn."""
+
+    role = "actor"
+
+    def __init__(self, dp_size: int, tp_size: int) -> None:
+        self.world_size = dp_size * tp_size
+        self.ranks = [Rank(Topology(r // tp_size, dp_size, r % tp_size == 0)) for r in range(self.world_size)]
+
+    def call(self, method, *args, **kwargs) -> list:
+        return [method(rank, *args, **kwargs) for rank in self.ranks]
+
+    def call_each(self, method, args_per_rank) -> list:
+        return [method(rank, *args) for rank, args in zip(self.ranks, args_per_rank, strict=True)]
+
+    def shutdown(self) -> None:
+        pass
+
+
+class RowActor(Actor):
+    worker_class = Rank
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(2, 40), min_size=1, max_size=6), min_size=1, max_size=13),
+    dp_size=st.integers(1, 4),
+    tp_size=st.integers(1, 2),
+)
+def test_generation_and_per_row_passes_take_any_row_count_as_the_undivided_computation(
+    prompts, dp_size, tp_size
+) -> None:
+    group = Ranks(dp_size, tp_size)
+    actor = RowActor(group)
+    undivided = PromptFunctionRollout().generate(prompts, SAMPLING, seed=0)
+
+    generated = actor.generate(prompts, SAMPLING, seed=7)
+    assert set(generated.keys()) == set(undivided.keys())
+    for key in undivided.keys():
+        assert torch.equal(generated[key], undivided[key]), key
+    calls = [rank.rollout.calls for rank in group.ranks]
+    for dp in range(dp_size):  # a DP group's ranks all generate its share, with one seed
+        assert all(calls[dp * tp_size + tp] == calls[dp * tp_size] for tp in range(tp_size))
+    shares = [len(calls[dp * tp_size][0][0]) if calls[dp * tp_size] else 0 for dp in range(dp_size)]
+    assert sum(shares) == len(prompts) and max(shares) - min(shares) <= 1
+    assert all(len(call) <= 1 for call in calls)  # a rank with no share never asks its rollout
+    seeds = [calls[dp * tp_size][0][1] for dp in range(dp_size) if shares[dp]]
+    assert len(set(seeds)) == len(seeds)  # each DP rank samples its own stream
+
+    per_row = actor._per_row(Rank.per_row, undivided)
+    torch.testing.assert_close(per_row, Rank.per_row(Rank(Topology(0, 1, True)), undivided), rtol=0, atol=0)
+    # Every rank ran one forward pass, all of the same non-empty size: their collectives line up.
+    assert {tuple(rank.forward_rows) for rank in group.ranks} == {(-(-len(prompts) // dp_size),)}
+
+
+def test_filled_rows_are_the_batch_then_copies_of_its_first_rows() -> None:
+    assert filled_rows(5, 2).tolist() == [0, 1, 2, 3, 4, 0]
+    assert filled_rows(1, 4).tolist() == [0, 0, 0, 0]
+    assert filled_rows(6, 3).tolist() == list(range(6))
+    with pytest.raises(ValueError, match="at least one row"):
+        filled_rows(0, 2)

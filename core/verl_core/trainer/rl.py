@@ -228,9 +228,9 @@ class RLTrainer(Trainer):
 
         if self.critic is not None:
             with timer.phase("update_critic"):
-                metrics |= self.critic.update(batch, self.num_mini_batches)
+                metrics |= self.critic.update(batch, self.num_mini_batches, "data.train_batch_size")
         with timer.phase("update_actor"):
-            metrics |= self.actor.update(batch, self.num_mini_batches)
+            metrics |= self.actor.update(batch, self.num_mini_batches, "data.train_batch_size")
         with timer.phase("sync"):
             self.actor.sync_weights()
         self.last_batch = batch  # the step's whole batch (responses, scores, advantages), for inspection
@@ -405,8 +405,8 @@ class RLTrainer(Trainer):
 
 
 def _check_divides(config: RunConfig, dp_size: int) -> None:
-    """Every step splits its responses, and every mini-batch, evenly over the DP ranks: refuse
-    sizes that cannot, before the first step runs."""
+    """Every update splits its responses, and every mini-batch, evenly over the DP ranks: refuse
+    sizes that cannot, before the first step runs (generation and validation take any size)."""
     n = config.rollout.n
     check_divisible(
         {

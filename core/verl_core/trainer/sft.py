@@ -121,7 +121,7 @@ class SFTTrainer(Trainer):
         sampled = self.sampler.next_batch()
         batch = sft_batch(self.train_data.select(sampled.indices), self.tokenizer.pad_token_id)
         with timer.phase("update"):
-            metrics = self.actor.update(batch, num_mini_batches=1)
+            metrics = self.actor.update(batch, num_mini_batches=1, size_key="data.train_batch_size")
 
         return metrics | timer.step_metrics(batch[RESPONSE_MASK], sampled.epoch)
 
@@ -135,7 +135,8 @@ class SFTTrainer(Trainer):
             rows = self.val_data.select(indices)
             batch = sft_batch(rows, self.tokenizer.pad_token_id, multiple_of=self.actor.dp_size)
             count = int(batch[RESPONSE_MASK].sum())
-            nll += self.actor.compute_loss(batch)["loss"] * count  # each batch's mean, weighted by its tokens
+            loss = self.actor.compute_loss(batch, "data.val_batch_size")["loss"]
+            nll += loss * count  # each batch's mean, weighted by its tokens
             tokens += count
         return {VAL_LOSS_KEY: nll / tokens}
 

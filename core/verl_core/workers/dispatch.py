@@ -5,6 +5,16 @@ is split over the DP size, not the world size: each DP shard goes to every rank 
 tensor- and pipeline-parallel ranks of one model replica see the same shard), and outputs are taken
 from the ranks that own them, one per DP rank. Sequences are balanced across DP ranks by length, so
 that no rank waits for the one holding all the long responses.
+
+Three kinds of split, by what the work needs:
+
+- an update needs equal shards (every rank steps through the same mini-batches together): a batch
+  that does not divide is refused at the config key that sets its size (``split_batch``);
+- a forward pass with per-row results (log-probs, values) runs every rank of a DP group through the
+  same micro-batches and collectives: any batch is filled up to a multiple of the DP size with copies
+  of its first rows (``filled_rows``), split into equal shards, and the copies' results dropped;
+- generation has no collective across DP ranks: any number of prompts is split into contiguous
+  shares whose sizes differ by at most one (``contiguous_shards``); a rank with none skips it.
 """
 
 from __future__ import annotations
@@ -23,8 +33,8 @@ from verl_core.errors import ConfigError
 def check_divisible(counts: Mapping[str, tuple[int, str]], dp_size: int) -> None:
     """Refuse what cannot be split evenly over the DP ranks. ``counts`` maps the config key that sets
     a count to the count and how to say it ("8 prompts x rollout.n=2 = 16 responses"); one
-    ``ConfigError`` names every key that does not divide. The one rule of every split: generation,
-    the step's shards, mini-batches and SFT batches."""
+    ``ConfigError`` names every key that does not divide. The rule of the splits that need equal
+    shards: an update's batch and its mini-batches, and SFT batches."""
     errors = [
         (
             key,
@@ -39,10 +49,11 @@ def check_divisible(counts: Mapping[str, tuple[int, str]], dp_size: int) -> None
 
 
 def balanced_shards(lengths: Sequence[int], dp_size: int) -> list[torch.Tensor]:
-    """Row indices per DP rank: equal counts (the batch must divide), with the total length of each
-    shard as even as a snake order over the rows sorted by length makes it. Each shard keeps its rows
-    in batch order."""
-    check_divisible({"data.train_batch_size": (len(lengths), f"{len(lengths)} sequences")}, dp_size)
+    """Row indices per DP rank: equal counts (``len(lengths)`` must divide: callers refuse or fill
+    what does not), with the total length of each shard as even as a snake order over the rows sorted
+    by length makes it. Each shard keeps its rows in batch order."""
+    if len(lengths) % dp_size:
+        raise ValueError(f"{len(lengths)} rows do not make {dp_size} equal shards")
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     shards: list[list[int]] = [[] for _ in range(dp_size)]
     for position, row in enumerate(order):
@@ -51,13 +62,31 @@ def balanced_shards(lengths: Sequence[int], dp_size: int) -> list[torch.Tensor]:
     return [torch.tensor(sorted(shard), dtype=torch.long) for shard in shards]
 
 
-def split_batch(batch: TensorDict, dp_size: int, balance: bool = True) -> list[torch.Tensor]:
-    """Row indices of each DP rank's shard of ``batch``: balanced by sequence length, or contiguous."""
+def split_batch(batch: TensorDict, dp_size: int, size_key: str, balance: bool = True) -> list[torch.Tensor]:
+    """Row indices of each DP rank's equal shard of ``batch``: balanced by sequence length, or
+    contiguous. A batch that does not divide is refused at ``size_key``, the config key that sets
+    its size (the caller's: ``data.train_batch_size`` for a step's update)."""
+    rows = batch.batch_size[0]
+    check_divisible({size_key: (rows, f"{rows} rows")}, dp_size)
     if not balance:
-        rows = batch.batch_size[0]
-        check_divisible({"data.train_batch_size": (rows, f"{rows} rows")}, dp_size)
-        return list(torch.arange(batch.batch_size[0]).chunk(dp_size))
+        return list(torch.arange(rows).tensor_split(dp_size))
     return balanced_shards(batch[ATTENTION_MASK].sum(dim=-1).tolist(), dp_size)
+
+
+def filled_rows(rows: int, dp_size: int) -> torch.Tensor:
+    """The rows of a batch of ``rows``, then copies of its first rows up to a multiple of ``dp_size``
+    (``arange(filled) % rows``): a batch of any size as equal shards, none empty. The copies' results
+    are dropped (the first ``rows`` of the restored results are the batch's)."""
+    if rows < 1:
+        raise ValueError("a batch to split over data-parallel ranks needs at least one row")
+    return torch.arange(-(-rows // dp_size) * dp_size) % rows
+
+
+def contiguous_shards(rows: int, dp_size: int) -> list[torch.Tensor]:
+    """Row indices per DP rank for work without collectives across DP ranks (generation): contiguous,
+    in row order, their sizes differing by at most one (empty for the last ranks when there are fewer
+    rows than ranks)."""
+    return list(torch.arange(rows).tensor_split(dp_size))
 
 
 def shards_for_ranks(shards: Sequence[object], topologies: Sequence[Topology]) -> list[object]:

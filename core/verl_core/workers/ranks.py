@@ -126,7 +126,13 @@ class ActorWorker:
 
     # -- generation --------------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> TensorDict:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int
+    ) -> TensorDict | None:
+        """This rank's share of a generation; ``None`` for an empty share (fewer prompts than DP
+        ranks), without asking the rollout, whose contract is at least one prompt."""
+        if not prompts:
+            return None
         return self.rollout.generate(prompts, sampling, seed)
 
     def weights(self) -> dict[str, torch.Tensor] | None:

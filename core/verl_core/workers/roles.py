@@ -3,9 +3,11 @@
 ``Actor``, ``Critic`` and ``SFT`` wrap a ``WorkerGroup`` of ``ActorWorker`` / ``CriticWorker`` /
 ``SFTWorker`` ranks (``verl_core.workers.ranks``), calling their methods by reference. They split
 every batch by the engines' topology (``verl_core.workers.dispatch``), call every rank, and return
-tensors in the batch's row order, so the trainer never sees a rank, a shard or a future. A role
-without a critic simply has no ``Critic``; the reference policy lives inside the actor and is asked
-for through ``Actor.compute_ref_log_probs``, which refuses clearly when no KL term built one.
+tensors in the batch's row order, so the trainer never sees a rank, a shard or a future. Generation
+and per-row forward passes take any number of rows; an update needs equal shards, and a batch that
+does not divide is refused at the config key its caller names (the one that sets the batch's size).
+A role without a critic simply has no ``Critic``; the reference policy lives inside the actor and is
+asked for through ``Actor.compute_ref_log_probs``, which refuses clearly when no KL term built one.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import torch
 from tensordict import TensorDict
 
 from verl_core.config.paths import absolute_path
-from verl_core.data.batch import concat_batches, select_rows
+from verl_core.data.batch import ATTENTION_MASK, concat_batches, select_rows
 from verl_core.engine.topology import Topology, check_topologies
 from verl_core.rollout.base import SamplingParams
 from verl_core.seeds import derive_seed
 from verl_core.workers.dispatch import (
-    check_divisible,
+    balanced_shards,
+    contiguous_shards,
+    filled_rows,
     gather_outputs,
     restore_order,
     shards_for_ranks,
@@ -44,15 +48,22 @@ class Role:
         self.dp_size = check_topologies(self.topologies, group.role)
 
     def _per_row(self, method: Callable[..., Any], batch: TensorDict, *extra: object) -> torch.Tensor:
-        """``method`` on each DP shard of ``batch``; per-row results back in the batch's order."""
-        shards = split_batch(batch, self.dp_size)
-        args = [(select_rows(batch, shard), *extra) for shard in shards]
+        """``method`` on each DP shard of ``batch``, a batch of any size; per-row results back in the
+        batch's order. The ranks of a DP group run the same micro-batches and collectives, so the
+        shards are equal: copies of the first rows fill the batch up to a multiple of the DP size, and
+        their results are dropped."""
+        rows = batch.batch_size[0]
+        filled = select_rows(batch, filled_rows(rows, self.dp_size))
+        shards = balanced_shards(filled[ATTENTION_MASK].sum(dim=-1).tolist(), self.dp_size)
+        args = [(select_rows(filled, shard), *extra) for shard in shards]
         results = self.group.call_each(method, shards_for_ranks(args, self.topologies))
-        return restore_order(gather_outputs(results, self.topologies), shards)
+        return restore_order(gather_outputs(results, self.topologies), shards)[:rows]
 
-    def update(self, batch: TensorDict, num_mini_batches: int) -> dict[str, float]:
-        """``num_mini_batches`` optimiser steps (per epoch) on ``batch``, split over the DP ranks."""
-        shards = split_batch(batch, self.dp_size)
+    def update(self, batch: TensorDict, num_mini_batches: int, size_key: str) -> dict[str, float]:
+        """``num_mini_batches`` optimiser steps (per epoch) on ``batch``, split over the DP ranks in
+        equal shards (every rank steps through the same mini-batches): a batch that does not divide is
+        refused at ``size_key``, the config key that sets its size."""
+        shards = split_batch(batch, self.dp_size, size_key)
         args = [(select_rows(batch, shard), num_mini_batches) for shard in shards]
         results = self.group.call_each(self.worker_class.update, shards_for_ranks(args, self.topologies))
         # Losses and gradient norms are global: every output rank reports the same numbers.
@@ -77,20 +88,19 @@ class Actor(Role):
     worker_class = ActorWorker
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> TensorDict:
-        """One response per prompt, each DP rank generating its contiguous share (seeded by ``seed``
-        and its DP rank); the batch contract in prompt order."""
-        count = len(prompts)
-        check_divisible(
-            {"data.train_batch_size": (count, f"{count} prompts to generate (prompts x rollout.n)")},
-            self.dp_size,
-        )
-        shards = list(torch.arange(len(prompts)).chunk(self.dp_size))
+        """One response per prompt, for any number of prompts (a multi-turn rollout's turn has as many
+        as conversations are still going): each DP rank generates its contiguous share, the shares'
+        sizes differing by at most one, seeded by ``seed`` and its DP rank (a rank with no share skips
+        it: generation has no collective across DP ranks); the batch contract in prompt order."""
+        if not prompts:
+            raise ValueError("generate() needs at least one prompt")
         args = [
             ([prompts[i] for i in shard.tolist()], sampling, derive_seed("rollout", seed, dp))
-            for dp, shard in enumerate(shards)
+            for dp, shard in enumerate(contiguous_shards(len(prompts), self.dp_size))
         ]
         results = self.group.call_each(ActorWorker.generate, shards_for_ranks(args, self.topologies))
-        return concat_batches(gather_outputs(results, self.topologies), sampling.pad_token_id)
+        parts = [part for part in gather_outputs(results, self.topologies) if part is not None]
+        return concat_batches(parts, sampling.pad_token_id)
 
     def compute_log_probs(self, batch: TensorDict) -> torch.Tensor:
         return self._per_row(ActorWorker.compute_log_probs, batch)
@@ -123,9 +133,10 @@ class SFT(Role):
 
     worker_class = SFTWorker
 
-    def compute_loss(self, batch: TensorDict) -> dict[str, float]:
-        """The batch's token-mean NLL, forward only; ``batch`` divides over the DP size like an update's."""
-        shards = split_batch(batch, self.dp_size)
+    def compute_loss(self, batch: TensorDict, size_key: str) -> dict[str, float]:
+        """The batch's token-mean NLL, forward only; ``batch`` divides over the DP size like an update's
+        (refused at ``size_key`` otherwise: fill it with rows whose ``response_mask`` is empty)."""
+        shards = split_batch(batch, self.dp_size, size_key)
         results = self.group.call_each(
             SFTWorker.compute_loss,
             shards_for_ranks([(select_rows(batch, s),) for s in shards], self.topologies),

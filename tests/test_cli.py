@@ -411,3 +411,28 @@ def test_a_block_list_typo_is_a_warning_line_in_the_listing(monkeypatch, capsys)
         monkeypatch.delenv(ENV_BLOCK)
         get_registry(refresh=True)
     assert f"warning: {ENV_BLOCK} names 'ddpp'" in capsys.readouterr().err
+
+
+def test_the_stop_line_comes_as_the_signal_arrives_not_when_the_main_thread_gets_to_it(capsys):
+    """A thread woken by the signal prints it: a main thread inside a call that returns to Python only
+    later (a wait on Ray's ranks) would be killed first under ``nox``, which kills 0.5 s after Ctrl-C."""
+    import signal
+    import threading
+
+    from verl_core.cli import EXIT_INTERRUPTED, _StopSignals
+
+    described, seen = [], threading.Event()
+
+    def describe(code: int) -> str:
+        described.append((code, threading.current_thread() is threading.main_thread()))
+        seen.set()
+        return "interrupted here"
+
+    with _StopSignals(describe) as stop:
+        with pytest.raises(KeyboardInterrupt):  # the main thread's own handler, whenever it runs
+            signal.raise_signal(signal.SIGINT)
+        assert seen.wait(timeout=60), "no stop line"
+        stop.say_stopped()  # the main thread's turn: the line is out already
+    assert described == [(EXIT_INTERRUPTED, False)] and stop.code == EXIT_INTERRUPTED
+    assert capsys.readouterr().err == "verl-core: interrupted here\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and signal.set_wakeup_fd(-1) == -1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -182,3 +183,35 @@ def test_a_checkpoint_of_another_model_names_the_checkpoint_and_the_model(tmp_pa
     )
     assert "size mismatch for weight" in message
     assert isinstance(caught.value.__cause__, RuntimeError)
+
+
+def test_the_marker_lists_every_file_and_one_deleted_after_the_save_is_missing(tmp_path) -> None:
+    """Without the list a deleted file leaves no trace: only the files that are there can be checked."""
+    import torch
+
+    from verl_core.toolkit.integrity import damaged_files
+
+    target = tmp_path / "ckpt"
+    with atomic_checkpoint(target, global_step=1, backend="test") as staging:
+        torch.save({"w": torch.zeros(4)}, staging / "model.pt")
+        (staging / "extra").mkdir()
+        (staging / "extra" / "notes.txt").write_text("kept")
+    listed = json.loads((target / MARKER_FILE).read_text())["files"]
+    assert listed == ["extra/notes.txt", "model.pt"]
+    assert damaged_files(target) == []
+    (target / "extra" / "notes.txt").unlink()
+    assert damaged_files(target) == [f"{target / 'extra' / 'notes.txt'} is missing"]
+
+
+def test_distributed_checkpoint_shards_without_their_metadata_are_damaged(tmp_path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from verl_core.toolkit.integrity import damaged_files
+
+    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=tmp_path / "model", no_dist=True)  # one writer
+    assert damaged_files(tmp_path) == []
+    (tmp_path / "model" / ".metadata").unlink()
+    assert damaged_files(tmp_path) == [
+        f"{tmp_path / 'model' / '.metadata'} is missing (the index of {tmp_path / 'model'}'s shards)"
+    ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 
 import pytest
 import torch
@@ -157,6 +158,24 @@ def test_export_interrupted_mid_write_leaves_the_previous_export(dirs, tmp_path,
     with pytest.raises(OSError, match="disk full"):
         export_hf_model(model, tmp_path / "fresh")
     assert not (tmp_path / "fresh").exists()  # never half-written
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_exported_file_gets_the_mode_the_umask_gives(dirs, tmp_path, umask) -> None:
+    """safetensors writes its files 0600, the rest of the export got 0644: unreadable to the group."""
+    source = tmp_path / "source"
+    AutoModelForCausalLM.from_pretrained(dirs.lm).save_pretrained(source)
+    (source / "tokenizer_config.json").write_text("{}")
+    (source / "tokenizer_config.json").chmod(0o600)  # copied with its mode, which must not stay either
+    model = load_hf_model(ModelConfig(path=str(source)), role="lm")
+    previous = os.umask(umask)
+    try:
+        export_hf_model(model, tmp_path / "export", tokenizer_source=source)
+    finally:
+        os.umask(previous)
+    modes = {path.name: oct(path.stat().st_mode & 0o777) for path in (tmp_path / "export").iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer_config.json"} <= set(modes)
+    assert modes == dict.fromkeys(modes, oct(0o666 & ~umask))
 
 
 def test_export_refuses_to_replace_a_directory_that_is_not_a_model(dirs, tmp_path) -> None:

@@ -1,13 +1,17 @@
 """A run says what it does and survives the everyday mistakes: the start-up phases, which checkpoint it
-resumed from, settings a resume cannot apply, a damaged newest checkpoint, a finished run started again,
-a failing reward under ``on_error=zero``, SFT with a decaying rate over ``total_training_steps``, and
-the end-of-run summary. In process, on the demo's tiny model (each test failed on the code before)."""
+resumed from, settings a resume cannot apply, a damaged newest checkpoint (any piece of it), a finished
+run started again, a failing reward under ``on_error=zero``, SFT with a decaying rate over
+``total_training_steps``, and the end-of-run summary; on a terminal, lines above the progress bar and
+an export readable as the user's other files are. In process, on the demo's tiny model (each test
+failed on the code before)."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,8 @@ from fixtures.demo import build_small_demo, run_overrides
 from verl_core.cli import main
 from verl_core.config import load_config
 from verl_core.errors import NothingToTrain
+from verl_core.toolkit.checkpoint import MARKER_FILE
+from verl_core.trainer.checkpoints import checkpoint_problems
 from verl_core.trainer.rl import RLTrainer
 
 torch.set_num_threads(1)
@@ -102,6 +108,143 @@ def test_a_damaged_newest_checkpoint_is_skipped_naming_the_file(finished_run, tm
         f"skipping the damaged checkpoint {newest.parents[1]} ({newest} is not a whole torch file" in err
     ), err
     assert trainer.resumed_from.name == "global_step_1"
+
+
+def test_every_piece_of_a_checkpoint_a_resume_needs_is_checked(finished_run, tmp_path) -> None:
+    """Each file of a real checkpoint, deleted or cut to half, is named by ``checkpoint_problems``:
+    the trainer's state, the engine's marker and optimiser state as much as the weights. (Deleting
+    the checkpoint's own marker unmarks it: it is no resume candidate then.)"""
+    run, _, _ = finished_run
+    source = run / "checkpoints" / "global_step_2"
+    assert checkpoint_problems(source) == []
+    files = sorted(path.relative_to(source) for path in source.rglob("*") if path.is_file())
+    assert {Path("trainer_state.json"), Path("actor", MARKER_FILE), Path("actor", "optimizer.pt")} <= set(
+        files
+    )
+    for number, relative in enumerate(files):
+        for damage in ("deleted", "cut"):
+            if damage == "deleted" and relative == Path(MARKER_FILE):
+                continue
+            copy = shutil.copytree(source, tmp_path / f"{number}-{damage}")
+            if damage == "deleted":
+                (copy / relative).unlink()
+            else:
+                (copy / relative).write_bytes(
+                    (source / relative).read_bytes()[: (source / relative).stat().st_size // 2]
+                )
+            problems = checkpoint_problems(copy)
+            assert any(problem.startswith(f"{copy / relative} ") for problem in problems), (
+                relative,
+                damage,
+                problems,
+            )
+
+
+def test_a_newest_checkpoint_without_its_engine_marker_is_skipped_before_start(
+    finished_run, tmp_path, capsys
+) -> None:
+    """Skipped with a warning naming the file, as a cut shard is, not loaded and failed on the ranks."""
+    run, overrides, _ = finished_run
+    folder = shutil.copytree(run / "checkpoints", tmp_path / "checkpoints")
+    marker = folder / "global_step_2" / "actor" / MARKER_FILE
+    marker.unlink()
+    trainer = rl_trainer(overrides, **{"trainer.total_training_steps": 3, "trainer.checkpoint_dir": folder})
+    try:
+        assert trainer.resume() == 1
+    finally:
+        trainer.shutdown()
+    assert (
+        f"skipping the damaged checkpoint {marker.parents[1]} ({marker} is missing" in capsys.readouterr().err
+    )
+    assert trainer.resumed_from.name == "global_step_1"
+
+
+def test_resuming_by_path_from_a_damaged_checkpoint_is_an_error_before_start(
+    finished_run, tmp_path, capsys, monkeypatch
+) -> None:
+    from verl_core.trainer import build
+
+    run, overrides, _ = finished_run
+    damaged = shutil.copytree(run / "checkpoints" / "global_step_2", tmp_path / "global_step_2")
+    (damaged / "trainer_state.json").unlink()
+    monkeypatch.setattr(
+        build, "build_roles", lambda *a, **k: pytest.fail("workers started for a damaged checkpoint")
+    )
+    changes = {
+        "trainer.resume_mode": "resume_path",
+        "trainer.resume_from_path": damaged,
+        "trainer.checkpoint_dir": tmp_path / "new",
+        "trainer.total_training_steps": 3,
+    }
+    assert main(["train", *overrides, *(f"{key}={value}" for key, value in changes.items())]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"trainer.resume_from_path: damaged checkpoint at {damaged}: {damaged / 'trainer_state.json'} is missing; "
+        "resume from another checkpoint"
+    ) in err, err
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal, as stderr is in an interactive shell: a run shows its
+    progress bar on it."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def screen(text: str) -> list[str]:
+    r"""The lines a terminal shows for ``text``: ``\r`` goes back to the start of the line, later
+    characters overwrite earlier ones, ``\n`` ends the line (one bar needs no other control)."""
+    lines, line, column = [], [], 0
+    for char in text:
+        if char == "\n":
+            lines.append("".join(line).rstrip())
+            line, column = [], 0
+        elif char == "\r":
+            column = 0
+        else:
+            line[column : column + 1] = [char]
+            column += 1
+    return [*lines, "".join(line).rstrip()]
+
+
+@pytest.fixture(scope="module")
+def run_on_a_terminal(demo, tmp_path_factory):
+    """``verl-core train`` with its stderr on a terminal: one step, validated before and after,
+    exported; ``(run folder, what stderr got)``."""
+    run = tmp_path_factory.mktemp("terminal")
+    overrides = run_overrides(
+        demo,
+        run,
+        **{
+            "trainer.total_training_steps": 1,
+            "trainer.test_freq": 1,
+            "trainer.val_n": 2,
+            "trainer.save_hf_model": "true",
+        },
+    )
+    terminal = Terminal()
+    with contextlib.redirect_stderr(terminal):
+        assert main(["train", *overrides]) == 0, terminal.getvalue()
+    return run / "run", terminal.getvalue()
+
+
+def test_validation_samples_are_printed_above_the_progress_bar(run_on_a_terminal) -> None:
+    _, output = run_on_a_terminal
+    lines = screen(output)
+    assert any("%|" in line and "1/1" in line for line in lines), lines  # the bar showed
+    samples = [line for line in lines if "verl-core: sample at step" in line]
+    assert len(samples) == 4, lines  # two at step 0, two at step 1
+    garbled = [line for line in samples if not line.startswith("verl-core: sample at step")]
+    assert not garbled, garbled
+
+
+def test_the_export_has_the_mode_the_umask_gives_every_other_file(run_on_a_terminal) -> None:
+    run_dir, _ = run_on_a_terminal
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {path.name: oct(path.stat().st_mode & 0o777) for path in (run_dir / "hf_model").iterdir()}
+    assert "model.safetensors" in modes and modes == dict.fromkeys(modes, oct(0o666 & ~umask))
 
 
 def test_a_failing_reward_under_on_error_zero_is_shown_once(demo, tmp_path, capsys) -> None:

@@ -14,9 +14,12 @@ import io
 import json
 import os
 import signal
+import socket
 import sys
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from verl_core import __version__
@@ -287,12 +290,17 @@ def _run_trainer(args: argparse.Namespace, import_trainer: Any, rl_rules: bool) 
     """Load the config, build the trainer (exit 2 on bad input, 0 if nothing is left to train), fit
     (exit 1 if the run fails), plot.
 
-    Ctrl-C (SIGINT) and SIGTERM stop the run at any point: the workers are released, one line says
-    where the run stopped and how to resume it, and the exit code is 130 or 143 (no traceback)."""
+    Ctrl-C (SIGINT) and SIGTERM stop the run at any point: one line says where the run stopped and how
+    to resume it, as soon as the signal arrives, the workers are released, and the exit code is 130 or
+    143 (no traceback)."""
     from verl_core.errors import NothingToTrain
 
-    with _StopSignals() as stop:
-        trainer, config = None, None
+    trainer, config = None, None
+
+    def stopped(code: int) -> str:
+        return _stopped_message(config, trainer, code)
+
+    with _StopSignals(stopped) as stop:
         try:
             if not args.items and not args.override:
                 print(
@@ -314,6 +322,7 @@ def _run_trainer(args: argparse.Namespace, import_trainer: Any, rl_rules: bool) 
                 trainer = trainer_class.from_config(config)
             except NothingToTrain as finished:
                 print(f"verl-core: {finished}", file=sys.stderr)
+                _draw_missing_curves(config.trainer.run_dir)
                 return 0
             except VerlCoreError as error:  # bad input found while building: a dataset, a model folder
                 if stop.code:
@@ -329,11 +338,8 @@ def _run_trainer(args: argparse.Namespace, import_trainer: Any, rl_rules: bool) 
                 return 1
         except (KeyboardInterrupt, _StopRequested):
             stop.ignore_further()  # releasing the workers takes a few seconds: let it finish
+            stop.say_stopped()  # before: whoever sent the signal may not wait for the release (nox)
             _release(trainer)
-            print(
-                f"verl-core: {_stopped_message(config, trainer, stop.code or EXIT_INTERRUPTED)}",
-                file=sys.stderr,
-            )
             return stop.code or EXIT_INTERRUPTED
         finally:
             if trainer is not None:
@@ -342,6 +348,21 @@ def _run_trainer(args: argparse.Namespace, import_trainer: Any, rl_rules: bool) 
 
         print(f"verl-core:   curves: {plot_run(config.trainer.run_dir)}", file=sys.stderr)
         return 0
+
+
+def _draw_missing_curves(run_dir: str) -> None:
+    """Draw the curves of a finished run that stopped before drawing them (or before drawing its
+    last metrics): nothing is missing from a run that says it has nothing to train."""
+    from verl_core.trainer.plot import PLOT_FILE, plot_run
+    from verl_core.trainer.run_files import METRICS_FILE
+
+    curves, metrics = Path(run_dir) / PLOT_FILE, Path(run_dir) / METRICS_FILE
+    if not metrics.is_file() or (curves.is_file() and curves.stat().st_mtime >= metrics.stat().st_mtime):
+        return
+    try:
+        print(f"verl-core:   curves (drawn now, missing before): {plot_run(run_dir)}", file=sys.stderr)
+    except VerlCoreError as error:  # nothing to draw
+        print(f"verl-core: warning: no curves drawn: {error}", file=sys.stderr)
 
 
 def _say_if_sft_config(args: argparse.Namespace) -> None:
@@ -375,24 +396,64 @@ class _StopRequested(BaseException):
 
 class _StopSignals:
     """Within the block, SIGINT raises ``KeyboardInterrupt`` and SIGTERM ``_StopRequested`` in the main
-    thread, and ``code`` records the exit code the first one asks for; the handlers are restored after."""
+    thread, and ``code`` records the exit code the first one asks for; the handlers are restored after.
+
+    ``say_stopped`` prints the line ``describe(code)`` once. A thread woken by the signal itself
+    (``signal.set_wakeup_fd``) prints it as the signal arrives: the main thread may be inside a call that
+    returns to Python only a second later (a wait on Ray's ranks), and ``nox`` forwards Ctrl-C to the
+    run, then kills it 0.5 s later, so the line must not wait for the main thread or the release."""
 
     SIGNALS = {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}
 
-    def __init__(self) -> None:
+    def __init__(self, describe: Callable[[int], str]) -> None:
         self.code = 0
+        self.describe = describe
         self.previous: dict[int, Any] = {}
+        self._said = False
+        self._lock = threading.RLock()  # a second signal may interrupt the handler holding it
+        self._wakeup: tuple[socket.socket, socket.socket, threading.Thread] | None = None
+        self._previous_wakeup = -1
 
     def __enter__(self) -> _StopSignals:
         for number in self.SIGNALS:
             if signal.getsignal(number) != signal.SIG_IGN:  # ignored by whoever started us: stays so
                 self.previous[number] = signal.signal(number, self._handle)
+        if self.previous and threading.current_thread() is threading.main_thread():
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            self._previous_wakeup = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+            watcher = threading.Thread(target=self._watch, args=(reader,), name="verl-core-stop", daemon=True)
+            watcher.start()
+            self._wakeup = (reader, writer, watcher)
         return self
 
+    def _record(self, number: int) -> None:
+        with self._lock:
+            if not self.code:
+                self.code = self.SIGNALS[number]
+
     def _handle(self, number: int, frame: Any) -> None:
-        if not self.code:
-            self.code = self.SIGNALS[number]
+        self._record(number)
         raise KeyboardInterrupt if number == signal.SIGINT else _StopRequested
+
+    def _watch(self, reader: socket.socket) -> None:
+        """Print the stop line as each signal arrives (the C-level handler writes its number to the
+        wakeup socket at once); ends when the block does."""
+        while data := reader.recv(64):
+            for number in data:
+                if number in self.previous:
+                    self._record(number)
+                    self.say_stopped()
+
+    def say_stopped(self) -> None:
+        """The line saying where the run stopped and how to resume it, printed once."""
+        from verl_core.trainer import console
+
+        with self._lock:
+            if self._said:
+                return
+            self._said = True
+        console.say(self.describe(self.code or EXIT_INTERRUPTED))  # above a progress bar, if one shows
 
     def ignore_further(self) -> None:
         for number in self.previous:
@@ -401,6 +462,12 @@ class _StopSignals:
     def __exit__(self, *exc_info: Any) -> None:
         for number, handler in self.previous.items():
             signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            reader, writer, watcher = self._wakeup
+            writer.close()  # the watcher reads the end of the stream and returns
+            watcher.join(timeout=5)
+            reader.close()
 
 
 def _release(trainer: Any) -> None:

@@ -1,10 +1,10 @@
 """Atomic checkpoint directories, shared by every backend.
 
 A save writes into a hidden sibling ``.<name>.saving``; once every rank has written its files,
-rank 0 adds a completion marker (global step, backend, world size) and renames the directory into
-place. A directory without the marker is never trusted. Saving over an existing checkpoint moves
-the old one aside to ``.<name>.replaced`` first and deletes it only after the new one is in place,
-so a crash at any point leaves a complete checkpoint: the old one or the new one.
+rank 0 adds a completion marker (global step, backend, world size, the list of files) and renames
+the directory into place. A directory without the marker is never trusted. Saving over an existing
+checkpoint moves the old one aside to ``.<name>.replaced`` first and deletes it only after the new
+one is in place, so a crash at any point leaves a complete checkpoint: the old one or the new one.
 
 ``open_checkpoint`` finds it again even when the crash fell between the two renames.
 The directory must be on a file system every rank sees (as for any multi-rank checkpoint).
@@ -33,6 +33,9 @@ from verl_core.errors import CheckpointError
 
 MARKER_FILE = "verl_checkpoint.json"
 FORMAT_VERSION = 1
+#: The marker's list of every file the checkpoint holds (paths relative to its folder): a file deleted
+#: after the save is then found missing before a resume trusts the checkpoint (``integrity``).
+MARKER_FILES_KEY = "files"
 
 
 @attrs.frozen
@@ -79,6 +82,7 @@ def atomic_directory(path: str | os.PathLike, *, replaceable: str) -> Iterator[P
     then rename it into place. ``path`` appears complete or not at all, and a previous ``path`` is
     replaced only once the new one is written, and only if it holds the file ``replaceable`` (so
     that an unrelated directory is never swept away). If the block raises, nothing is published.
+    Its files get the mode the umask gives new files, whatever mode their writer chose.
     """
     final = Path(path)
     staging, replaced = _siblings(final)
@@ -91,6 +95,7 @@ def atomic_directory(path: str | os.PathLike, *, replaceable: str) -> Iterator[P
     staging.mkdir(parents=True)
     try:
         yield staging
+        _umask_modes(staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -221,8 +226,27 @@ def _siblings(final: Path) -> tuple[Path, Path]:
     return final.with_name(f".{final.name}.saving"), final.with_name(f".{final.name}.replaced")
 
 
+def _umask_modes(directory: Path) -> None:
+    """Give every file under ``directory`` the mode a file created here gets from the umask: some
+    writers (safetensors) create theirs 0600, so that an export would be unreadable to the group and
+    others who can read the rest of it."""
+    probe = directory / ".verl-core-mode"
+    probe.touch()  # created as ``open`` creates files: 0666 less the umask, or as a default ACL says
+    mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 != mode:
+            path.chmod(mode)
+
+
 def _write_marker(directory: Path, info: CheckpointInfo) -> None:
-    payload = {**attrs.asdict(info), "format_version": FORMAT_VERSION, "saved_at": time.time()}
+    files = sorted(str(path.relative_to(directory)) for path in directory.rglob("*") if path.is_file())
+    payload = {
+        **attrs.asdict(info),
+        "format_version": FORMAT_VERSION,
+        "saved_at": time.time(),
+        MARKER_FILES_KEY: files,
+    }
     temporary = directory / f"{MARKER_FILE}.tmp"
     with open(temporary, "w") as handle:
         json.dump(payload, handle, indent=2)

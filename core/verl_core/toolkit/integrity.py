@@ -3,8 +3,9 @@
 A file cut short (a partial copy, a full disk) or deleted after a checkpoint was marked complete is
 found here without loading a tensor: a safetensors header that promises more bytes than the file has, a
 torch file (a zip archive) whose directory at its end is missing, a JSON file that does not parse, a
-``torch.distributed.checkpoint`` shard shorter than its metadata says. The trainer skips a damaged
-checkpoint on resume and the pre-flight checks refuse damaged weights with it, before anything loads.
+``torch.distributed.checkpoint`` shard shorter than its metadata says or without its metadata, a file
+the checkpoint's completion marker lists that is gone. The trainer skips a damaged checkpoint on
+resume and the pre-flight checks refuse damaged weights with it, before anything loads.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import json
 import struct
 import zipfile
 from pathlib import Path
+
+from verl_core.toolkit.checkpoint import MARKER_FILE, MARKER_FILES_KEY
 
 #: Suffixes of torch's zip-archive files (``torch.save``), checked by their zip directory.
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -40,17 +43,35 @@ def file_problem(path: str | Path) -> str | None:
 
 
 def damaged_files(directory: str | Path) -> list[str]:
-    """``"<file> <problem>"`` for every damaged file under ``directory`` (a checkpoint), in path order."""
+    """``"<file> <problem>"`` for every damaged or missing file under ``directory`` (a checkpoint), in
+    path order: missing are the files a completion marker in it lists (checkpoints saved before
+    markers listed their files are checked by what is there)."""
     directory = Path(directory)
     problems = []
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+    present = sorted(p for p in directory.rglob("*") if p.is_file())
+    for path in present:
+        if path.name == MARKER_FILE:
+            problems += [f"{listed} is missing" for listed in _listed_files(path) if not listed.is_file()]
         if path.name == DCP_METADATA:
             problems += _dcp_problems(path.parent)
+            continue
+        if path.suffix == DCP_SUFFIX and not (path.parent / DCP_METADATA).is_file():
+            problems.append(f"{path.parent / DCP_METADATA} is missing (the index of {path.parent}'s shards)")
             continue
         problem = file_problem(path)
         if problem:
             problems.append(f"{path} {problem}")
-    return problems
+    return list(dict.fromkeys(problems))  # a shard both listed and indexed is named once
+
+
+def _listed_files(marker: Path) -> list[Path]:
+    """The files a checkpoint's completion marker lists (none when it predates the list or is not
+    readable, which ``file_problem`` reports)."""
+    try:
+        listed = json.loads(marker.read_text()).get(MARKER_FILES_KEY) or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [marker.parent / name for name in listed if isinstance(name, str)]
 
 
 def _safetensors_problem(path: Path) -> str | None:

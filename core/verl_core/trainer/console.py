@@ -1,9 +1,10 @@
 """What a run says on the console besides its metric lines: start-up phases, resume, samples, the end.
 
 Every line goes to stderr as ``verl-core: ...`` (stdout carries the metric lines, which a script may
-parse), flushed at once, so that a run under a pipe or ``nox`` is never silent. ``phase`` announces a
-start-up phase and says how long it took; ``say`` and ``warn`` print one line; ``samples`` shows a few
-validation generations; ``summary`` is the end-of-run report.
+parse), flushed at once, so that a run under a pipe or ``nox`` is never silent; while a progress bar
+shows (``set_progress_bar``), above it, the bar redrawn under the line instead of written over.
+``phase`` announces a start-up phase and says how long it took; ``say`` and ``warn`` print one
+line; ``samples`` shows a few validation generations; ``summary`` is the end-of-run report.
 """
 
 from __future__ import annotations
@@ -18,10 +19,26 @@ PREFIX = "verl-core: "
 #: Characters of a prompt or response shown on the console (the run folder keeps them whole).
 SHOWN_CHARS = 120
 
+#: The progress bar on stderr while one shows (a tqdm bar: its ``write`` clears it, prints the line and
+#: draws it again below), else None.
+_bar: Any = None
+
 
 def say(message: str) -> None:
-    """One line on stderr, prefixed ``verl-core:``."""
-    print(PREFIX + message, file=sys.stderr, flush=True)
+    """One line on stderr, prefixed ``verl-core:``; above the progress bar while one shows."""
+    bar = _bar
+    if bar is not None:
+        bar.write(PREFIX + message, file=sys.stderr)
+        sys.stderr.flush()
+    else:
+        print(PREFIX + message, file=sys.stderr, flush=True)
+
+
+def set_progress_bar(bar: Any) -> None:
+    """From now on ``say`` prints above ``bar`` (a tqdm bar on stderr; ``MetricsLogger`` sets its own
+    while it shows), or plain lines again with None."""
+    global _bar
+    _bar = bar
 
 
 def warn(message: str) -> None:

@@ -1,12 +1,15 @@
 """The run loop the RL and SFT trainers share: resume, log, validate, checkpoint, export.
 
-``Trainer.fit`` resumes from the newest complete checkpoint (saying which), validates once before
-training (where the curves start), then runs ``train_step`` up to ``total_steps``, validating every
-``trainer.test_freq`` steps and saving a checkpoint every ``trainer.save_freq`` steps (and at the last),
-writes the Hugging Face export and ends with a summary on the console. Each step's metrics are logged
-before its checkpoint is saved: a crash while saving repeats the step on resume (the logger replaces
-its line), never leaves a resumed run without it. A trainer supplies the steps, the validation, the
-checkpoints, a line about its data and the metrics its summary follows.
+Before any worker starts, ``prepare_run`` holds the run's folders against a second run
+(``run_lock``) and chooses the checkpoint to resume from, every piece of it checked. ``Trainer.fit``
+resumes from it (saying which), validates once before training (where the curves start), then runs
+``train_step`` up to ``total_steps``, validating every ``trainer.test_freq`` steps and saving a
+checkpoint every ``trainer.save_freq`` steps (and at the last), writes the Hugging Face export and ends
+with a summary on the console. Each step's metrics are logged before its checkpoint is saved: a crash
+while saving repeats the step on resume (the logger replaces its line), never leaves a resumed run
+without it. A run stopped after its last checkpoint but before its export was written makes the
+export when started again. A trainer supplies the steps, the validation, the checkpoints, a line about
+its data and the metrics its summary follows.
 """
 
 from __future__ import annotations
@@ -16,17 +19,60 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from verl_core.config.loading import fill_total_steps
 from verl_core.config.run import RunConfig
 from verl_core.data.sampler import EpochSampler
-from verl_core.errors import NothingToTrain
+from verl_core.errors import ConfigError, NothingToTrain
 from verl_core.toolkit.checkpoint import read_checkpoint_info
 from verl_core.trainer import checkpoints, console
 from verl_core.trainer.metrics import MetricsLogger
-from verl_core.trainer.run_files import METRICS_FILE, read_records
+from verl_core.trainer.run_files import METRICS_FILE, exported_step, read_records, record_export
+from verl_core.trainer.run_lock import RunLock
 
 #: Where the final Hugging Face export goes, inside the run folder.
 HF_EXPORT_DIR = "hf_model"
+
+
+@attrs.frozen
+class PreparedRun:
+    """What a run settles before its workers start (``prepare_run``): the hold on its folders, and the
+    checkpoint it resumes from, None for a fresh run."""
+
+    lock: RunLock
+    checkpoint: Path | None
+
+    def check_not_finished(self, trainer: Any, total_steps: int) -> None:
+        """Raise ``NothingToTrain`` when ``checkpoint`` is at the last step of a run of ``total_steps``
+        already and the run wrote everything after it (``missing_outputs``; ``trainer`` is the
+        ``trainer`` config section): before any worker starts."""
+        if self.checkpoint is None:
+            return
+        step = read_checkpoint_info(self.checkpoint).global_step
+        if step >= total_steps and not missing_outputs(trainer, Path(trainer.run_dir), step):
+            raise NothingToTrain(nothing_to_train(self.checkpoint, step, total_steps))
+
+
+def prepare_run(config: RunConfig, kind: str) -> PreparedRun:
+    """Hold the run's folders (``run_lock``: a folder another run holds is a ``FolderInUse`` naming it)
+    and choose the checkpoint to resume from (``checkpoints.resume_point``: a damaged one skipped with a
+    warning under ``auto``, an error naming the file otherwise). Reads no weights, starts no worker."""
+    trainer = config.trainer
+    problems = list(checkpoints.checkpoint_dir_problems(trainer, kind))
+    if problems:
+        raise ConfigError(problems)
+    folders = {}
+    if trainer.save_freq or Path(trainer.checkpoint_dir).is_dir():
+        folders["trainer.checkpoint_dir"] = trainer.checkpoint_dir
+    folders["trainer.run_dir"] = trainer.run_dir
+    lock = RunLock(folders)
+    lock.acquire()
+    try:
+        return PreparedRun(lock, checkpoints.resume_point(trainer))
+    except BaseException:
+        lock.release()
+        raise
 
 
 class Trainer(abc.ABC):
@@ -51,6 +97,9 @@ class Trainer(abc.ABC):
     #: What ``fit`` is doing besides an update (``while saving the checkpoint of step 50 of 150``),
     #: None during one: where a stopped run says it stopped.
     stage: str | None = None
+    #: The run's folders held and its checkpoint chosen (``from_config`` sets it before the workers
+    #: start; ``fit`` prepares the run itself otherwise), until ``fit`` ends or ``shutdown``.
+    prepared: PreparedRun | None = None
 
     @abc.abstractmethod
     def train_step(self, step: int) -> dict[str, float]:
@@ -78,8 +127,13 @@ class Trainer(abc.ABC):
         return checkpoints.save(self.config, step, self.actor, self.critic, state | self.trainer_state())
 
     def resume(self) -> int:
-        """Restore the newest complete checkpoint; the step to continue after (0 for a fresh run)."""
-        restored = checkpoints.restore(self.config, self.kind, self.actor, self.critic)
+        """Restore the checkpoint the run resumes from (``prepare_run``'s choice, the newest complete
+        one under ``auto``); the step to continue after (0 for a fresh run)."""
+        if self.prepared is not None:
+            checkpoint = self.prepared.checkpoint
+        else:
+            checkpoint = checkpoints.resume_point(self.config.trainer)
+        restored = checkpoints.restore(self.config, self.kind, self.actor, self.critic, checkpoint)
         if restored is None:
             return 0
         self.resumed_from, state = restored
@@ -87,18 +141,62 @@ class Trainer(abc.ABC):
         self.load_trainer_state(state)
         return int(state["global_step"])
 
+    def release(self) -> None:
+        """Let the run's folders go (``run_lock``), for another run to use."""
+        if self.prepared is not None:
+            self.prepared.lock.release()
+            self.prepared = None
+
     def fit(self) -> dict[str, float]:
-        """Train from the newest checkpoint (or the start) to ``total_steps``; the last step's metrics."""
+        """Train from the newest checkpoint (or the start) to ``total_steps``; the last step's metrics.
+        The run's folders are held until it returns (``prepare_run``)."""
+        if self.prepared is None:
+            self.prepared = prepare_run(self.config, self.kind)
+        try:
+            return self._fit()
+        finally:
+            self.release()
+
+    def _fit(self) -> dict[str, float]:
         trainer = self.config.trainer
         started = time.perf_counter()
         self.global_step = self.resume()
         if self.resumed_from is not None:
             console.say(f"resumed from {self.resumed_from} at step {self.global_step} of {self.total_steps}")
-        if self.global_step >= self.total_steps:
-            console.say(nothing_to_train(self.resumed_from, self.global_step, self.total_steps))
-            return {}
-        console.say(self.data_summary())
         first_step = self.global_step
+        metrics: dict[str, float] = {}
+        if self.global_step < self.total_steps:
+            console.say(self.data_summary())
+            metrics = self._train()
+        else:
+            missing = missing_outputs(trainer, self.run_dir, self.global_step)
+            if not missing:
+                console.say(nothing_to_train(self.resumed_from, self.global_step, self.total_steps))
+                return {}
+            console.say(
+                f"the checkpoint {self.resumed_from} is at the run's last step, but the run stopped before its "
+                f"{' and '.join(missing)} was written: writing it now"
+            )
+        files = [f"metrics: {self.run_dir / METRICS_FILE}"]
+        if trainer.save_hf_model:
+            export = self.run_dir / HF_EXPORT_DIR
+            self.stage = f"while writing the Hugging Face export to {export} (after step {self.global_step})"
+            self.actor.save_hf_model(str(export))
+            record_export(export, self.global_step)  # once it is whole: a stop before leaves none
+            self.stage = None
+            files.append(f"Hugging Face export: {export}")
+        if trainer.save_freq:
+            files.append(f"checkpoints: {trainer.checkpoint_dir}")
+        records = read_records(self.run_dir / METRICS_FILE)
+        console.summary(
+            records, self.summary_keys, time.perf_counter() - started, self.global_step - first_step, files
+        )
+        return metrics
+
+    def _train(self) -> dict[str, float]:
+        """The steps after ``global_step`` up to ``total_steps``, validated, logged and checkpointed; the
+        last step's metrics."""
+        trainer = self.config.trainer
         metrics: dict[str, float] = {}
         with MetricsLogger(
             self.run_dir,
@@ -128,19 +226,6 @@ class Trainer(abc.ABC):
                     self.stage = f"while saving the checkpoint of step {step} of {self.total_steps}"
                     self.save_checkpoint(step)
                 self.stage = None
-        files = [f"metrics: {self.run_dir / METRICS_FILE}"]
-        if trainer.save_hf_model:
-            export = self.run_dir / HF_EXPORT_DIR
-            self.stage = f"while writing the Hugging Face export to {export} (after step {self.global_step})"
-            self.actor.save_hf_model(str(export))
-            self.stage = None
-            files.append(f"Hugging Face export: {export}")
-        if trainer.save_freq:
-            files.append(f"checkpoints: {trainer.checkpoint_dir}")
-        records = read_records(self.run_dir / METRICS_FILE)
-        console.summary(
-            records, self.summary_keys, time.perf_counter() - started, self.global_step - first_step, files
-        )
         return metrics
 
 
@@ -165,14 +250,12 @@ def with_run_length(config: RunConfig, num_rows: int, updates_per_step: int = 1)
     return fill_total_steps(config, steps, updates_per_step), steps
 
 
-def check_not_finished(trainer: Any, total_steps: int) -> None:
-    """Raise ``NothingToTrain`` when the checkpoint a run of ``total_steps`` would resume from is at its
-    last step already (``trainer`` is the ``trainer`` config section): before any worker starts."""
-    candidates = checkpoints.resume_candidates(trainer)
-    if candidates:
-        step = read_checkpoint_info(candidates[0]).global_step
-        if step >= total_steps:
-            raise NothingToTrain(nothing_to_train(candidates[0], step, total_steps))
+def missing_outputs(trainer: Any, run_dir: Path, step: int) -> list[str]:
+    """What a run that trained to ``step`` writes after its last checkpoint and that is not there: its
+    Hugging Face export (``trainer.save_hf_model``), when ``run_dir`` holds none of that step."""
+    if trainer.save_hf_model and exported_step(run_dir / HF_EXPORT_DIR) != step:
+        return ["Hugging Face export"]
+    return []
 
 
 def nothing_to_train(checkpoint: Path | None, step: int, total_steps: int) -> str:

@@ -30,6 +30,7 @@ from typing import Any, TextIO
 
 from verl_core.config.run import LOGGERS
 from verl_core.errors import ConfigError, VerlCoreError
+from verl_core.trainer import console
 from verl_core.trainer.run_files import METRICS_FILE, TENSORBOARD_DIR, read_records, write_jsonl
 from verl_core.trainer.timing import STEP_TIME_KEY, TOKENS_PER_S_KEY
 
@@ -125,6 +126,7 @@ class MetricsLogger:
             self._bar = tqdm(
                 total=total_steps, initial=start_step, unit="step", file=sys.stderr, dynamic_ncols=True
             )
+            console.set_progress_bar(self._bar)  # the run's other lines (samples, warnings) go above it
         #: A plain progress line every this many steps, when neither the bar nor console lines show.
         self._progress_every = (
             max(1, total_steps // 10)
@@ -212,6 +214,7 @@ class MetricsLogger:
     def close(self) -> None:
         """Close the JSONL file, the TensorBoard writer and the progress bar; closing twice is fine."""
         if self._bar is not None:
+            console.set_progress_bar(None)
             self._bar.close()
             self._bar = None
         if self._writer is not None:

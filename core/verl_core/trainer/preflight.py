@@ -322,7 +322,7 @@ def _checkpoint_dir(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str,
     yield from checkpoints.checkpoint_dir_problems(trainer, kind)
     if trainer.resume_mode == "resume_path" and trainer.resume_from_path:
         try:
-            checkpoints.open_trainer_checkpoint(trainer.resume_from_path)
+            checkpoints.resume_point(trainer)  # complete, and every piece a resume needs whole
         except CheckpointError as error:  # naming the folder and what is wrong with it
             yield "trainer.resume_from_path", str(error)
 

@@ -56,7 +56,7 @@ from verl_core.reward import load_reward_function, score_responses
 from verl_core.rollout.base import SamplingParams
 from verl_core.seeds import derive_seed
 from verl_core.trainer import console
-from verl_core.trainer.loop import Trainer, check_not_finished, epoch_sampler, run_length, with_run_length
+from verl_core.trainer.loop import Trainer, epoch_sampler, prepare_run, run_length, with_run_length
 from verl_core.trainer.metrics import REWARD_KEY, VAL_SCORE_KEY
 from verl_core.trainer.preflight import preflight
 from verl_core.trainer.run_files import validation_samples_path, write_jsonl
@@ -130,25 +130,28 @@ class RLTrainer(Trainer):
     @classmethod
     def from_config(cls, config: RunConfig, registry: Any = None, **options: Any) -> RLTrainer:
         """The trainer ``config`` describes: every pre-flight check passed (``preflight``: all problems
-        at once, before anything starts), tokenizer and datasets loaded, the roles' worker groups started
+        at once, before anything starts), its folders held and the checkpoint to resume from chosen
+        (``prepare_run``), tokenizer and datasets loaded, the roles' worker groups started
         (``trainer.workers``) and their engines initialised. Raises ``NothingToTrain`` when the
-        checkpoint it would resume from is at the run's last step."""
+        checkpoint it would resume from is at the run's last step and nothing after it is missing."""
         from verl_core.trainer.build import build_roles, load_tokenizer, workers_description
 
         preflight(config, TRAINER_KIND, registry)
         import_tools_file(config.rollout.agent)  # it runs: here, not in preflight (verl-core config)
-        with console.phase("loading the tokenizer and the datasets"):
-            tokenizer = load_tokenizer(config.actor.engine.model)
-            train_data, val_data = load_prompt_datasets(config.data, config.rollout, tokenizer)
-        config, steps = with_run_length(config, len(train_data), updates_per_step(config))
-        check_not_finished(config.trainer, steps)
-        with console.phase(
-            f"starting the actor{' and the critic' if config.critic.enable else ''} "
-            f"({workers_description(config)}: engines and rollout)"
-        ):
-            actor, critic = build_roles(config, registry)
+        prepared = prepare_run(config, TRAINER_KIND)
+        actor = critic = None
         try:
-            return cls(
+            with console.phase("loading the tokenizer and the datasets"):
+                tokenizer = load_tokenizer(config.actor.engine.model)
+                train_data, val_data = load_prompt_datasets(config.data, config.rollout, tokenizer)
+            config, steps = with_run_length(config, len(train_data), updates_per_step(config))
+            prepared.check_not_finished(config.trainer, steps)
+            with console.phase(
+                f"starting the actor{' and the critic' if config.critic.enable else ''} "
+                f"({workers_description(config)}: engines and rollout)"
+            ):
+                actor, critic = build_roles(config, registry)
+            trainer = cls(
                 config,
                 actor=actor,
                 critic=critic,
@@ -158,17 +161,21 @@ class RLTrainer(Trainer):
                 registry=registry,
                 **options,
             )
-        except BaseException:  # the worker groups hold processes: release them
-            actor.shutdown()
-            if critic is not None:
-                critic.shutdown()
+        except BaseException:  # the worker groups hold processes, the lock the folders: release them
+            for role in (actor, critic):
+                if role is not None:
+                    role.shutdown()
+            prepared.lock.release()
             raise
+        trainer.prepared = prepared
+        return trainer
 
     def shutdown(self) -> None:
-        """Release the worker groups."""
+        """Release the worker groups and the run's folders."""
         self.actor.shutdown()
         if self.critic is not None:
             self.critic.shutdown()
+        self.release()
 
     # -- the run ---------------------------------------------------------------------------------
 

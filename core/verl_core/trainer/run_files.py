@@ -1,5 +1,6 @@
 """The run folder's files: the metrics file (one JSON object per step) and the validation samples,
-written atomically and read back tolerating only a last line a crash cut short.
+written atomically and read back tolerating only a last line a crash cut short; the record of which
+step the Hugging Face export holds.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 #: The run folder's folder of a few generations per validation, ``step_<N>.jsonl``.
 VALIDATION_DIR = "validation"
+#: The file in a run's Hugging Face export that records the step of its weights, ``{"global_step": N}``:
+#: written once the export is whole, so that an export a stop cut off (or an earlier one of a shorter run)
+#: is told from the one the run ends with.
+EXPORT_RECORD = "verl_export.json"
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
@@ -82,3 +87,18 @@ def write_jsonl(path: str | os.PathLike[str], records: Iterable[Mapping[str, Any
 def validation_samples_path(run_dir: str | os.PathLike[str], step: int) -> Path:
     """Where the generations of the validation at ``step`` go: ``run_dir/validation/step_<step>.jsonl``."""
     return Path(run_dir) / VALIDATION_DIR / f"step_{step}.jsonl"
+
+
+def record_export(export: str | os.PathLike[str], step: int) -> None:
+    """Record that the Hugging Face export folder ``export`` holds the weights of ``step`` (one JSON
+    object, written atomically)."""
+    write_jsonl(Path(export) / EXPORT_RECORD, [{"global_step": step}])
+
+
+def exported_step(export: str | os.PathLike[str]) -> int | None:
+    """The step whose weights the Hugging Face export folder ``export`` holds (``record_export``), or
+    None when it holds no recorded, whole export."""
+    try:
+        return int(json.loads((Path(export) / EXPORT_RECORD).read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -32,7 +32,7 @@ from verl_core.data.batch import RESPONSE_MASK, join_prompts_and_responses, left
 from verl_core.data.dataset import SFTDataset, SFTRow
 from verl_core.data.sampler import sequential_batches
 from verl_core.trainer import console
-from verl_core.trainer.loop import Trainer, check_not_finished, epoch_sampler, run_length, with_run_length
+from verl_core.trainer.loop import Trainer, epoch_sampler, prepare_run, run_length, with_run_length
 from verl_core.trainer.preflight import preflight
 from verl_core.trainer.timing import Timer
 from verl_core.workers.dispatch import check_divisible
@@ -79,35 +79,43 @@ class SFTTrainer(Trainer):
 
     @classmethod
     def from_config(cls, config: RunConfig, registry: Any = None, **options: Any) -> SFTTrainer:
-        """The trainer ``config`` describes: every pre-flight check passed (``preflight``), tokenizer
-        and datasets loaded, a decaying learning rate given the run's length, the SFT worker group
-        started (``trainer.workers``) and its engines initialised. Raises ``NothingToTrain`` when the
-        checkpoint it would resume from is at the run's last step."""
+        """The trainer ``config`` describes: every pre-flight check passed (``preflight``), its folders
+        held and the checkpoint to resume from chosen (``prepare_run``), tokenizer and datasets loaded, a
+        decaying learning rate given the run's length, the SFT worker group started
+        (``trainer.workers``) and its engines initialised. Raises ``NothingToTrain`` when the checkpoint
+        it would resume from is at the run's last step and nothing after it is missing."""
         from verl_core.trainer.build import WorkerMaker, load_tokenizer, worker_group, workers_description
 
         preflight(config, TRAINER_KIND, registry)
-        with console.phase("loading the tokenizer and the datasets"):
-            tokenizer = load_tokenizer(config.actor.engine.model)
-            train_data, val_data = load_sft_datasets(config.data, config.rollout, tokenizer)
-        config, steps = with_run_length(config, len(train_data))  # one optimiser step per trainer step
-        check_not_finished(config.trainer, steps)
-        with console.phase(f"starting the SFT engines ({workers_description(config)})"):
-            actor = SFT(
-                worker_group(
-                    config, "sft", WorkerMaker(SFTWorker, config, registry), config.actor.engine.device
-                )
-            )
+        prepared = prepare_run(config, TRAINER_KIND)
+        actor = None
         try:
-            return cls(
+            with console.phase("loading the tokenizer and the datasets"):
+                tokenizer = load_tokenizer(config.actor.engine.model)
+                train_data, val_data = load_sft_datasets(config.data, config.rollout, tokenizer)
+            config, steps = with_run_length(config, len(train_data))  # one optimiser step per trainer step
+            prepared.check_not_finished(config.trainer, steps)
+            with console.phase(f"starting the SFT engines ({workers_description(config)})"):
+                actor = SFT(
+                    worker_group(
+                        config, "sft", WorkerMaker(SFTWorker, config, registry), config.actor.engine.device
+                    )
+                )
+            trainer = cls(
                 config, actor=actor, tokenizer=tokenizer, train_data=train_data, val_data=val_data, **options
             )
-        except BaseException:
-            actor.shutdown()
+        except BaseException:  # the worker group holds processes, the lock the folders: release them
+            if actor is not None:
+                actor.shutdown()
+            prepared.lock.release()
             raise
+        trainer.prepared = prepared
+        return trainer
 
     def shutdown(self) -> None:
-        """Release the worker group."""
+        """Release the worker group and the run's folders."""
         self.actor.shutdown()
+        self.release()
 
     # -- the run ---------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 
 import attrs
 import peft
@@ -30,7 +31,7 @@ from verl_core.testing.lora_checks import LORA_MODEL, check_lora
 from verl_core.testing.losses import TEMPERATURE as KIT_TEMPERATURE
 from verl_core.testing.reference import load_reference_model, reference_loss
 from verl_core.testing.tiny import collate, make_samples, save_tiny_models
-from verl_core.toolkit import LORA_ADAPTER_DIR, build_lr_scheduler, build_optimizer
+from verl_core.toolkit import LORA_ADAPTER_DIR, LoraAdapter, build_lr_scheduler, build_optimizer
 from verl_core.toolkit.lora import hf_name
 from verl_core.trainer.rl import RLTrainer
 from verl_ddp import plugin as ddp_plugin
@@ -171,7 +172,7 @@ def test_one_step_trains_only_the_adapter_as_a_peft_model_and_adamw_would(dirs, 
     batch.set_non_tensor(TEMPERATURE, KIT_TEMPERATURE)
     batch.set_non_tensor(COMPUTE_ENTROPY, True)
     optim = attrs.evolve(BASE_OPTIM, clip_grad=0.1)  # the first norm is ~0.3: clipping acts
-    engine = lora_engine(dirs.lm, optim=optim)
+    engine = lora_engine(dirs.lm, optim=optim, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
     engine.initialize()
     trainable = {name for name, p in engine.module.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in name or ".lora_B." in name for name in trainable)
@@ -246,6 +247,41 @@ class StaleMergeEngine(DDPEngine):
                 yield hf_name(name), tensor.detach()
 
 
+class CachedMergeEngine(DDPEngine):
+    """Merges once and sends the same weights at every later sync: the rollout never sees step 2."""
+
+    def get_per_tensor_param(self):
+        if not hasattr(self, "_merged"):
+            self._merged = [(name, tensor.clone()) for name, tensor in super().get_per_tensor_param()]
+        yield from self._merged
+
+
+class DropoutAtInferenceEngine(DDPEngine):
+    """Puts the model in eval mode but leaves the adapters' dropout training: inference is noisy."""
+
+    def set_model_mode(self, train: bool) -> None:
+        super().set_model_mode(train)
+        for name, module in self.module.named_modules():
+            if "lora_dropout" in name:
+                module.train()
+
+
+class IgnoresAlphaEngine(DDPEngine):
+    """Builds its adapter at peft's default alpha (8) whatever lora_alpha says."""
+
+    def __init__(self, config, role="lm", *, config_path="engine"):
+        super().__init__(config, role, config_path=config_path)
+        self.adapter = LoraAdapter(attrs.evolve(config.model, lora_alpha=8), self.adapter.where)
+
+
+class IgnoresTargetsEngine(DDPEngine):
+    """Adapts peft's default target modules for the model type (q_proj, v_proj), not the configured."""
+
+    def __init__(self, config, role="lm", *, config_path="engine"):
+        super().__init__(config, role, config_path=config_path)
+        self.adapter = LoraAdapter(attrs.evolve(config.model, target_modules=["q_proj", "v_proj"]), "model")
+
+
 class BaseTrainedEngine(DDPEngine):
     """The base weights stay trainable: the optimiser steps all of them."""
 
@@ -257,10 +293,16 @@ class BaseTrainedEngine(DDPEngine):
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.config.optim)
 
 
+EXPORT = "log-probs of the HF model loaded with the weight export"
+TARGETS = "exactly the target modules' weights changed, each through the adapter (base weights frozen)"
 BROKEN = {
     "ref-with-adapter": (ReferenceWithAdapterEngine, "reference() log-probs after a step"),
-    "stale-merge": (StaleMergeEngine, "log-probs of the HF model loaded with the weight export"),
-    "base-trained": (BaseTrainedEngine, "weights changed only through the adapter (base weights frozen)"),
+    "stale-merge": (StaleMergeEngine, f"{EXPORT}, after a step"),
+    "cached-merge": (CachedMergeEngine, f"{EXPORT}, after a second step"),
+    "dropout-at-inference": (DropoutAtInferenceEngine, f"{EXPORT}, after a step"),
+    "ignores-alpha": (IgnoresAlphaEngine, "the merged change with twice the lora_alpha, after the same step"),
+    "ignores-targets": (IgnoresTargetsEngine, TARGETS),
+    "base-trained": (BaseTrainedEngine, TARGETS),
 }
 
 
@@ -286,13 +328,13 @@ def kit_context(backend, dirs, tmp_path) -> RankContext:
 
 def test_the_kit_lora_check_passes_the_ddp_engine(dirs, tmp_path) -> None:
     comparisons = check_lora(kit_context("ddp", dirs, tmp_path))
-    assert len(comparisons) == 11 and all(c.passed for c in comparisons), [c.describe() for c in comparisons]
+    assert len(comparisons) == 13 and all(c.passed for c in comparisons), [c.describe() for c in comparisons]
 
 
 @pytest.mark.parametrize("backend", list(BROKEN))
 def test_the_kit_lora_check_fails_a_broken_engine_where_it_is_broken(backend, dirs, tmp_path) -> None:
     failed = [c.quantity for c in check_lora(kit_context(backend, dirs, tmp_path)) if not c.passed]
-    assert BROKEN[backend][1] in failed
+    assert BROKEN[backend][1] in failed, failed
 
 
 # -- GRPO with an adapter, in process -----------------------------------------------------------------
@@ -425,3 +467,141 @@ def test_a_lora_run_resumed_from_its_checkpoint_continues_exactly(demo, tmp_path
     weights = dict(straight.actor.group.worker.policy.get_per_tensor_param())
     for name, tensor in resumed.actor.group.worker.policy.get_per_tensor_param():
         assert torch.equal(tensor, weights[name]), name
+
+
+# -- what a resume or a starting adapter cannot be, found before anything starts ----------------------
+
+
+def perturbed_copy(model: Path, destination: Path, scale: float = 1e-3) -> Path:
+    """The model folder ``model`` with every weight moved a little: the same files, names and shapes."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, destination)
+    weights = destination / "model.safetensors"
+    with safe_open(weights, framework="pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(weights)
+    generator = torch.Generator().manual_seed(0)
+    moved = {
+        name: t + scale * torch.randn(t.shape, generator=generator).to(t.dtype) for name, t in tensors.items()
+    }
+    save_file(moved, weights, metadata=metadata)
+    return destination
+
+
+def test_the_fingerprint_tells_other_weights_of_the_same_shapes_and_not_a_copy(demo, tmp_path) -> None:
+    """The broken variant: a fingerprint of names and sizes alone would not tell the perturbed copy."""
+    import shutil
+
+    from verl_core.toolkit.integrity import model_fingerprint
+
+    copy = Path(shutil.copytree(demo.model, tmp_path / "copy"))
+    (copy / "config.json").write_text((copy / "config.json").read_text() + "\n")  # re-saved config
+    other = perturbed_copy(Path(demo.model), tmp_path / "other")
+    assert (other / "model.safetensors").stat().st_size == (copy / "model.safetensors").stat().st_size
+    assert model_fingerprint(str(copy)) == model_fingerprint(str(demo.model))
+    assert model_fingerprint(str(other)) != model_fingerprint(str(demo.model))
+
+
+def test_a_lora_resume_over_another_adapter_or_other_base_weights_is_refused_before_any_worker_starts(
+    demo, tmp_path, monkeypatch
+) -> None:
+    """Over other base weights of the same shapes it continued silently, with other results; over another
+    lora_rank it said "another model" from a rank. Now each is a config error naming what differs."""
+    from verl_core.trainer.preflight import check_run
+
+    lora = {"actor.engine.model.lora_rank": 8, "trainer.save_freq": 1, "trainer.total_training_steps": 1}
+    RLTrainer.from_config(load_config([], run_overrides(demo, tmp_path, **lora)), show_progress=False).fit()
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("the roles' workers were started")
+
+    monkeypatch.setattr("verl_core.trainer.build.build_roles", no_workers)
+    other = perturbed_copy(Path(demo.model), tmp_path / "other_base")
+    cases = {
+        "another base": ({"actor.engine.model.path": other}, "lora_rank", "trained over other base weights"),
+        "another rank": (
+            {"actor.engine.model.lora_rank": 4},
+            "lora_rank",
+            "its adapter has lora_rank 8, this run's 4",
+        ),
+        "full training": ({"actor.engine.model.lora_rank": 0}, "lora_rank", "this run trains the full model"),
+    }
+    for name, (changes, key, expected) in cases.items():
+        changed = {**lora, "trainer.total_training_steps": 2, **changes}
+        config = load_config([], run_overrides(demo, tmp_path, **changed))
+        with pytest.raises(ConfigError) as caught:
+            RLTrainer.from_config(config, show_progress=False)
+        errors = dict(caught.value.errors)
+        assert expected in errors[f"actor.engine.model.{key}"], (name, errors)
+        by_path = {
+            "trainer.resume_mode": "resume_path",
+            "trainer.resume_from_path": tmp_path / "checkpoints" / "global_step_1",
+        }
+        problems = dict(check_run(load_config([], run_overrides(demo, tmp_path, **changed, **by_path)), "rl"))
+        assert expected in problems[f"actor.engine.model.{key}"], (name, problems)  # verl-core config too
+    # The same run resumes (the check is not a refusal of every resume).
+    config = load_config([], run_overrides(demo, tmp_path, **{**lora, "trainer.total_training_steps": 2}))
+    monkeypatch.undo()
+    RLTrainer.from_config(config, show_progress=False).shutdown()
+
+
+@pytest.fixture(scope="module")
+def saved_adapter(dirs, tmp_path_factory) -> Path:
+    """A rank-4 adapter over the kit's tiny Qwen2, as PeftModel.save_pretrained writes it."""
+    folder = tmp_path_factory.mktemp("adapter") / "lora_adapter"
+    model = AutoModelForCausalLM.from_pretrained(dirs.lm)
+    peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    ).save_pretrained(folder)
+    return folder
+
+
+def adapter_variant(saved_adapter: Path, tmp_path: Path, damage: str) -> Path:
+    import shutil
+
+    folder = Path(shutil.copytree(saved_adapter, tmp_path / damage))
+    weights = folder / "adapter_model.safetensors"
+    if damage == "cut":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "no weights":
+        weights.unlink()
+    elif damage == "broken config":
+        (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4,')
+    elif damage == "not lora":
+        config = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps(config | {"peft_type": "PREFIX_TUNING"}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        ("cut", "adapter_model.safetensors is"),
+        ("no weights", "holds no adapter weights (adapter_model.safetensors or adapter_model.bin)"),
+        ("broken config", "adapter_config.json is not valid JSON"),
+        ("not lora", "describes a 'PREFIX_TUNING' adapter, not a LoRA one"),
+        ("foreign", "was trained for another model"),
+    ],
+)
+def test_a_broken_cut_or_foreign_adapter_is_refused_before_the_run_starts(
+    demo, dirs, saved_adapter, tmp_path, damage, expected
+) -> None:
+    """It was found only on the ranks (a missing weights file blamed on a hub "Repo id"). The adapter
+    was saved over the kit's tiny model: for the demo's model (other sizes) it is foreign."""
+    from verl_core.trainer.preflight import check_run
+
+    adapter = adapter_variant(saved_adapter, tmp_path, damage)
+    overrides = run_overrides(demo, tmp_path, **{"actor.engine.model.lora_adapter_path": adapter})
+    problems = dict(check_run(load_config([], overrides), "rl"))
+    assert expected in problems["actor.engine.model.lora_adapter_path"], problems
+    if damage != "foreign":  # the same adapter over its own model passes: only the damage is refused
+        with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+            lora_engine(dirs.lm, lora_adapter_path=str(adapter)).initialize()
+    else:
+        fine = run_overrides(demo, tmp_path, **{"actor.engine.model.lora_adapter_path": saved_adapter})
+        fine[fine.index(f"actor.engine.model.path={demo.model}")] = f"actor.engine.model.path={dirs.lm}"
+        assert "actor.engine.model.lora_adapter_path" not in dict(check_run(load_config([], fine), "rl"))

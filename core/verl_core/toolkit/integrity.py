@@ -1,4 +1,5 @@
-"""Whether the files of a model folder or a checkpoint are whole, read from their headers alone.
+"""Whether the files of a model folder or a checkpoint are whole, read from their headers alone, and
+which weights a model folder holds (``model_fingerprint``), read from a sample of their bytes.
 
 A file cut short (a partial copy, a full disk) or deleted after a checkpoint was marked complete is
 found here without loading a tensor: a safetensors header that promises more bytes than the file has, a
@@ -10,6 +11,7 @@ resume and the pre-flight checks refuse damaged weights with it, before anything
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import zipfile
@@ -74,20 +76,39 @@ def _listed_files(marker: Path) -> list[Path]:
     return [marker.parent / name for name in listed if isinstance(name, str)]
 
 
-def _safetensors_problem(path: Path) -> str | None:
+class DamagedFile(ValueError):
+    """A file that cannot be what its name says; the message is the problem (``is 12 bytes but ...``)."""
+
+
+def safetensors_header(path: str | Path) -> dict[str, dict]:
+    """The tensors of a safetensors file by name (``dtype``, ``shape``, ``data_offsets``), read from its
+    header without loading any; ``DamagedFile`` when the header is not readable or the file is shorter
+    than the tensors it promises."""
+    path = Path(path)
     size = path.stat().st_size
     try:
         with open(path, "rb") as file:
             (header_size,) = struct.unpack("<Q", file.read(8))
             if header_size > size - 8:
-                return f"is {size} bytes, shorter than its own header ({header_size} bytes)"
+                raise DamagedFile(f"is {size} bytes, shorter than its own header ({header_size} bytes)")
             header = json.loads(file.read(header_size))
-        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+        tensors = {name: entry for name, entry in header.items() if name != "__metadata__"}
+        ends = [entry["data_offsets"][1] for entry in tensors.values()]
     except (OSError, struct.error, ValueError, KeyError, TypeError, AttributeError) as error:
-        return f"has no readable safetensors header ({type(error).__name__}: {error})"
+        if isinstance(error, DamagedFile):
+            raise
+        raise DamagedFile(f"has no readable safetensors header ({type(error).__name__}: {error})") from None
     needed = 8 + header_size + max(ends, default=0)
     if needed > size:
-        return f"is {size} bytes but its tensors need {needed}"
+        raise DamagedFile(f"is {size} bytes but its tensors need {needed}")
+    return tensors
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    try:
+        safetensors_header(path)
+    except DamagedFile as problem:
+        return str(problem)
     return None
 
 
@@ -111,3 +132,27 @@ def _dcp_problems(directory: Path) -> list[str]:
         elif shard.stat().st_size < size:
             problems.append(f"{shard} is {shard.stat().st_size} bytes but its metadata needs {size}")
     return problems
+
+
+#: The files that hold a Hugging Face model's weights.
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+#: How many evenly spaced blocks of each weight file ``model_fingerprint`` reads, and their size.
+FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK_BYTES = 64, 4096
+
+
+def model_fingerprint(path: str) -> str:
+    """A hash of the weights in the model folder ``path``, to tell whether two runs used the same ones
+    without reading them all: each weight file's name and size and ``FINGERPRINT_BLOCKS`` blocks spread
+    over it (a few hundred KiB per file). Other weights of the same shapes (another checkpoint, a
+    fine-tune of the model) differ in almost every block; a change confined to a few bytes between the
+    blocks would go unseen. The config is left out: re-saving it (another transformers) changes no weight."""
+    directory = Path(path).expanduser()
+    digest = hashlib.sha256()
+    for weights in sorted(p for p in directory.iterdir() if p.suffix in WEIGHT_SUFFIXES):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with weights.open("rb") as file:
+            for block in range(FINGERPRINT_BLOCKS):
+                file.seek(size * block // FINGERPRINT_BLOCKS)
+                digest.update(file.read(FINGERPRINT_BLOCK_BYTES))
+    return digest.hexdigest()

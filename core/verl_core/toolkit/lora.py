@@ -25,13 +25,14 @@ import torch
 
 from verl_core.config.engine import ModelConfig
 from verl_core.errors import CheckpointError, ConfigError
-from verl_core.toolkit.model import model_fingerprint
+from verl_core.toolkit.integrity import file_problem, model_fingerprint, safetensors_header
 from verl_core.toolkit.seed import seeded
 
 #: The adapter folder inside a LoRA engine's Hugging Face export (``PeftModel.from_pretrained`` loads it).
 LORA_ADAPTER_DIR = "lora_adapter"
-#: What makes a folder a peft adapter.
+#: What makes a folder a peft adapter: its config, and its weights (the first the newer format).
 ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 #: ``target_modules`` value that adapts every linear layer but the LM head (peft's own shorthand).
 ALL_LINEAR = "all-linear"
 #: What ``PeftModel`` puts before the wrapped model's names, and around an adapted layer's own weights.
@@ -208,6 +209,9 @@ def apply_lora(
 
     if config.lora_adapter_path is not None:
         adapter = check_adapter_dir(config.lora_adapter_path, f"{where}.lora_adapter_path")
+        problems = adapter_shape_problems(config.lora_adapter_path, module)
+        if problems:
+            raise ConfigError([(f"{where}.lora_adapter_path", "; ".join(problems))])
         with seeded(seed), _peft_asking_deprecated_questions():
             return peft.PeftModel.from_pretrained(
                 module, str(adapter), is_trainable=True, autocast_adapter_dtype=False
@@ -243,19 +247,75 @@ def _import_peft(where: str):
 
 
 def check_adapter_dir(path: str, where: str = "model.lora_adapter_path") -> Path:
-    """``path`` as a peft adapter folder, or a ``ConfigError`` at ``where`` saying what to give."""
+    """``path`` as a whole peft LoRA adapter folder, or a ``ConfigError`` at ``where`` saying what is
+    wrong with it (``adapter_dir_problems``) and what to give."""
+    problems = adapter_dir_problems(path)
+    if problems:
+        raise ConfigError([(where, "; ".join(problems))])
+    return Path(path).expanduser()
+
+
+def adapter_dir_problems(path: str) -> list[str]:
+    """What keeps the folder ``path`` from being a LoRA adapter to start from, read from its files
+    alone: no such folder, no ``adapter_config.json`` or one that is not a LoRA adapter's, no weights
+    file, or one cut short."""
     adapter = Path(path).expanduser()
-    if not (adapter / ADAPTER_CONFIG_FILE).is_file():
-        raise ConfigError(
-            [
-                (
-                    where,
-                    f"{path!r} holds no {ADAPTER_CONFIG_FILE}: give the folder that PeftModel.save_pretrained "
-                    f"wrote (a LoRA run's hf_model/{LORA_ADAPTER_DIR})",
-                )
-            ]
+    give = f"give the folder that PeftModel.save_pretrained wrote (a LoRA run's hf_model/{LORA_ADAPTER_DIR})"
+    if not adapter.is_dir():
+        return [f"{path!r} {'is a file' if adapter.exists() else 'does not exist'}: {give}"]
+    config_file = adapter / ADAPTER_CONFIG_FILE
+    if not config_file.is_file():
+        return [f"{path!r} holds no {ADAPTER_CONFIG_FILE}: {give}"]
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as error:
+        return [
+            f"{config_file} is not valid JSON ({error}): the copy was cut short, or it is not an adapter's"
+        ]
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        kind = config.get("peft_type") if isinstance(config, dict) else type(config).__name__
+        return [f"{config_file} describes a {kind!r} adapter, not a LoRA one (peft_type 'LORA'): {give}"]
+    problems = [f"{config_file} has no {key!r}" for key in ("r", "lora_alpha") if key not in config]
+    weights = next((adapter / name for name in ADAPTER_WEIGHT_FILES if (adapter / name).is_file()), None)
+    if weights is None:
+        problems.append(
+            f"{path!r} holds no adapter weights ({' or '.join(ADAPTER_WEIGHT_FILES)}): the save or the copy "
+            "was cut short"
         )
-    return adapter
+    elif (problem := file_problem(weights)) is not None:
+        problems.append(f"{weights} {problem}: the save or the copy was cut short")
+    return problems
+
+
+def adapter_shape_problems(path: str, model: torch.nn.Module) -> list[str]:
+    """Where the adapter at ``path`` (``adapter_model.safetensors``, read from its header) does not fit
+    ``model`` (the Hugging Face model, on the meta device is enough): a layer it adapts that the model
+    lacks, or whose sizes differ: an adapter trained for another model."""
+    weights = Path(path).expanduser() / ADAPTER_WEIGHT_FILES[0]
+    if not weights.is_file():
+        return []  # a .bin adapter: its shapes are checked when it loads
+    layers = dict(model.named_modules())
+    problems = []
+    for name, entry in safetensors_header(weights).items():
+        for part, axis, size in ((".lora_A.", 1, "in_features"), (".lora_B.", 0, "out_features")):
+            if part not in name:
+                continue
+            layer_path = name.removeprefix(PEFT_PREFIX).split(part)[0]
+            layer = layers.get(layer_path)
+            if layer is None:
+                problems.append(f"it adapts {layer_path!r}, which {type(model).__name__} does not have")
+            elif getattr(layer, size, None) != entry["shape"][axis]:
+                problems.append(
+                    f"its {layer_path!r} has {size} {entry['shape'][axis]}, the model's {getattr(layer, size, None)}"
+                )
+    if not problems:
+        return []
+    base = json.loads((weights.parent / ADAPTER_CONFIG_FILE).read_text()).get("base_model_name_or_path")
+    return [
+        f"the adapter at {path!r} was trained for another model (its base_model_name_or_path: {base!r}): "
+        + "; ".join(dict.fromkeys(problems[:3]))
+        + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
+    ]
 
 
 def check_target_modules(module: torch.nn.Module, target_modules: str | list[str], where: str) -> None:

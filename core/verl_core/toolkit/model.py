@@ -8,7 +8,6 @@ label, a scalar per token (the critic, as in verl), initialised from the same ca
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
@@ -25,9 +24,6 @@ from verl_core.errors import ConfigError
 from verl_core.toolkit.export import HF_CONFIG_FILE
 from verl_core.toolkit.seed import seeded
 from verl_core.toolkit.varlen import attn_implementation_for
-
-#: The files that hold a Hugging Face model's weights.
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,31 +53,6 @@ def check_model_dir(path: str, where: str = "model.path") -> Path:
                 f"models/{path.split('/')[-1]}`, and give that folder"
             )
     raise ConfigError([(where, problem)])
-
-
-#: How many evenly spaced blocks of each weight file ``model_fingerprint`` reads, and their size.
-FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK_BYTES = 64, 4096
-
-
-def model_fingerprint(path: str) -> str:
-    """A hash of the model folder ``path``'s ``config.json`` and weights, to tell whether two runs used
-    the same weights without reading them all: each weight file's name and size and
-    ``FINGERPRINT_BLOCKS`` blocks spread over it (a few hundred KiB per file). Other weights of the same
-    shapes (another checkpoint, a fine-tune of the model) differ in almost every block; a change
-    confined to a few bytes between the blocks would go unseen."""
-    directory = Path(path).expanduser()
-    digest = hashlib.sha256()
-    config = directory / HF_CONFIG_FILE
-    if config.is_file():
-        digest.update(config.read_bytes())
-    for weights in sorted(p for p in directory.iterdir() if p.suffix in WEIGHT_SUFFIXES):
-        size = weights.stat().st_size
-        digest.update(f"{weights.name}:{size}".encode())
-        with weights.open("rb") as file:
-            for block in range(FINGERPRINT_BLOCKS):
-                file.seek(size * block // FINGERPRINT_BLOCKS)
-                digest.update(file.read(FINGERPRINT_BLOCK_BYTES))
-    return digest.hexdigest()
 
 
 def _looks_like_hub_id(path: str) -> bool:

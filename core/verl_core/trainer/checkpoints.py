@@ -296,6 +296,36 @@ def resume_point(trainer: TrainerConfig) -> Path | None:
     return None
 
 
+def engine_problems(config: RunConfig, path: Path) -> list[tuple[str, str]]:
+    """``(key, message)`` for each engine of the run that cannot continue the trainer checkpoint at
+    ``path``, found from the files before any worker starts: a LoRA adapter of another rank, alpha or
+    target modules, or trained over base weights that changed since (``verl_core.toolkit.lora``), and a
+    LoRA checkpoint under full training or the reverse. The engines refuse the same when they load."""
+    from verl_core.toolkit.lora import LORA_CHECKPOINT_FILE, lora_checkpoint_problems
+
+    sections = {ACTOR_DIR: config.actor.engine}
+    if config.critic.enable and config.critic.engine is not None:
+        sections[CRITIC_DIR] = config.critic.engine
+    problems = []
+    for role, engine in sections.items():
+        directory, key = path / role, f"{role}.engine.model"
+        if engine.model.lora:
+            found = lora_checkpoint_problems(directory, engine.model)
+            problems += [
+                (f"{key}.{engine.model.lora_key}", f"resuming from {path}: {found}") for found in found
+            ]
+        elif (directory / LORA_CHECKPOINT_FILE).is_file():
+            problems.append(
+                (
+                    f"{key}.lora_rank",
+                    f"resuming from {path}: its {role} trained a LoRA adapter ({LORA_CHECKPOINT_FILE}), and this "
+                    "run trains the full model: set the LoRA keys as the run that saved it did, or start a new "
+                    "run in another trainer.checkpoint_dir",
+                )
+            )
+    return problems
+
+
 def restore(
     config: RunConfig, kind: str, actor: Any, critic: Any, path: Path | None
 ) -> tuple[Path, dict[str, Any]] | None:

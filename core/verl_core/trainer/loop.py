@@ -57,7 +57,9 @@ class PreparedRun:
 def prepare_run(config: RunConfig, kind: str) -> PreparedRun:
     """Hold the run's folders (``run_lock``: a folder another run holds is a ``FolderInUse`` naming it)
     and choose the checkpoint to resume from (``checkpoints.resume_point``: a damaged one skipped with a
-    warning under ``auto``, an error naming the file otherwise). Reads no weights, starts no worker."""
+    warning under ``auto``, an error naming the file otherwise), refusing one the engines cannot continue
+    (``checkpoints.engine_problems``: another LoRA adapter, other base weights). Reads no weights beyond a
+    sample for the fingerprint, starts no worker."""
     trainer = config.trainer
     problems = list(checkpoints.checkpoint_dir_problems(trainer, kind))
     if problems:
@@ -69,7 +71,11 @@ def prepare_run(config: RunConfig, kind: str) -> PreparedRun:
     lock = RunLock(folders)
     lock.acquire()
     try:
-        return PreparedRun(lock, checkpoints.resume_point(trainer))
+        resume_from = checkpoints.resume_point(trainer)
+        problems = checkpoints.engine_problems(config, resume_from) if resume_from is not None else []
+        if problems:
+            raise ConfigError(problems)
+        return PreparedRun(lock, resume_from)
     except BaseException:
         lock.release()
         raise

@@ -201,29 +201,36 @@ def _adapters(config: RunConfig, registry: Registry) -> Iterator[tuple[str, str]
                 refusal = None
             if refusal is not None:
                 yield refusal
-            yield from _target_modules(engine.model, f"{where}.model")
-        if engine.model.lora_adapter_path is not None:
-            from verl_core.toolkit.lora import check_adapter_dir
-
-            try:
-                check_adapter_dir(engine.model.lora_adapter_path, f"{where}.model.lora_adapter_path")
-            except ConfigError as error:
-                yield from error.errors
+            yield from _adapter_fits_the_model(engine.model, f"{where}.model")
 
 
-def _target_modules(model: ModelConfig, where: str) -> Iterator[tuple[str, str]]:
-    """``model.target_modules`` against the layers of the model's architecture, built on the meta
-    device from its config.json (no weights read); ``all-linear`` fits every model."""
-    from verl_core.toolkit.lora import ALL_LINEAR
-
-    if model.target_modules == ALL_LINEAR or model.lora_adapter_path is not None:
-        return  # a loaded adapter brings its own target modules
-    from verl_core.toolkit.lora import check_target_modules
+def _adapter_fits_the_model(model: ModelConfig, where: str) -> Iterator[tuple[str, str]]:
+    """The adapter against the layers of the model's architecture, built on the meta device from its
+    config.json (no weights read): ``model.target_modules`` name layers it has (``all-linear`` fits every
+    model), or the adapter at ``lora_adapter_path`` is whole and was trained for this model."""
+    from verl_core.toolkit.lora import (
+        ALL_LINEAR,
+        adapter_dir_problems,
+        adapter_shape_problems,
+        check_target_modules,
+    )
     from verl_core.toolkit.model import load_hf_model
 
+    adapter_path = model.lora_adapter_path
+    if adapter_path is not None and (problems := adapter_dir_problems(adapter_path)):
+        yield f"{where}.lora_adapter_path", "; ".join(problems)
+        return
+    if adapter_path is None and model.target_modules == ALL_LINEAR:
+        return
     try:
         skeleton = load_hf_model(model, where=where, on_meta=True)
     except Exception:  # the model folder's own problem: reported by the model checks
+        return
+    if adapter_path is not None:  # a loaded adapter brings its own target modules
+        yield from (
+            (f"{where}.lora_adapter_path", problem)
+            for problem in adapter_shape_problems(adapter_path, skeleton)
+        )
         return
     try:
         check_target_modules(skeleton, model.target_modules, f"{where}.target_modules")
@@ -322,9 +329,11 @@ def _checkpoint_dir(config: RunConfig, kind: TrainerKind) -> Iterator[tuple[str,
     yield from checkpoints.checkpoint_dir_problems(trainer, kind)
     if trainer.resume_mode == "resume_path" and trainer.resume_from_path:
         try:
-            checkpoints.resume_point(trainer)  # complete, and every piece a resume needs whole
+            path = checkpoints.resume_point(trainer)  # complete, and every piece a resume needs whole
         except CheckpointError as error:  # naming the folder and what is wrong with it
             yield "trainer.resume_from_path", str(error)
+        else:
+            yield from checkpoints.engine_problems(config, path)
 
 
 def _writable(key: str, path: str) -> Iterator[tuple[str, str]]:

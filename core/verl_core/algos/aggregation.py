@@ -28,21 +28,11 @@ from __future__ import annotations
 
 import torch
 
+from verl_core.config.algorithm import LOSS_AGG_MODES
 from verl_core.data.batch import GlobalCounts
 
-TOKEN_MEAN = "token-mean"
-TOKEN_SUM = "token-sum"
-SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
-SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
-SEQ_MEAN_TOKEN_SUM_NORM = "seq-mean-token-sum-norm"
-
-LOSS_AGG_MODES: tuple[str, ...] = (
-    TOKEN_MEAN,
-    TOKEN_SUM,
-    SEQ_MEAN_TOKEN_SUM,
-    SEQ_MEAN_TOKEN_MEAN,
-    SEQ_MEAN_TOKEN_SUM_NORM,
-)
+# The names' one home is the config's ``LossAggMode``; in its order.
+TOKEN_MEAN, TOKEN_SUM, SEQ_MEAN_TOKEN_SUM, SEQ_MEAN_TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM_NORM = LOSS_AGG_MODES
 
 
 def check_loss_agg_mode(loss_agg_mode: str, key: str = "loss_agg_mode") -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from typing import Any, Literal
 
 import attrs
@@ -10,10 +11,12 @@ from verl_core.config.names import registered
 from verl_core.config.validators import greater_than, non_negative, one_of, positive, unit_interval
 from verl_core.hookspecs import Kind
 
-#: How per-token losses become one number; ``verl_core.algos.aggregation`` documents each mode.
+#: How per-token losses become one number; ``verl_core.algos.aggregation`` documents each mode. The
+#: one list of their names: the config checks it, the algorithms name each mode from it.
 LossAggMode = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 ]
+LOSS_AGG_MODES: tuple[str, ...] = typing.get_args(LossAggMode)
 
 #: The per-token KL estimators ``verl_core.algos.kl`` implements. Listed here, without torch, so that
 #: a config is checked when it loads; ``verl_core.algos.kl`` computes exactly these.

@@ -47,6 +47,7 @@ _EXPORTS = {
     "MicroBatchSplit": _MICROBATCH,
     "split_micro_batches": _MICROBATCH,
     # datasets and their order
+    "read_rows": "verl_core.data.files",
     "PromptDataset": _DATASET,
     "PromptRow": _DATASET,
     "SFTDataset": _DATASET,
@@ -54,6 +55,7 @@ _EXPORTS = {
     "load_prompt_datasets": _DATASET,
     "EpochSampler": _SAMPLER,
     "SamplerBatch": _SAMPLER,
+    "sequential_batches": _SAMPLER,
 }
 
 __all__ = sorted(_EXPORTS)

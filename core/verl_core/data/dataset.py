@@ -304,11 +304,11 @@ class SFTDataset:
 __getattr__ = moved_names(
     __name__,
     {
-        "read_rows": "verl_core.data.files:read_rows",
+        "read_rows": "verl_core.data:read_rows",
         "Rows": "verl_core.data.files:Rows",
-        "EpochSampler": "verl_core.data.sampler:EpochSampler",
-        "SamplerBatch": "verl_core.data.sampler:SamplerBatch",
-        "sequential_batches": "verl_core.data.sampler:sequential_batches",
+        "EpochSampler": "verl_core.data:EpochSampler",
+        "SamplerBatch": "verl_core.data:SamplerBatch",
+        "sequential_batches": "verl_core.data:sequential_batches",
     },
     since="0.2.0",
     removed_in="0.4.0",

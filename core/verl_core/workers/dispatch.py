@@ -113,7 +113,7 @@ def restore_order(parts: Sequence[torch.Tensor], shards: Sequence[torch.Tensor])
 
 __getattr__ = moved_names(
     __name__,
-    {"check_topologies": "verl_core.engine.topology:check_topologies"},
+    {"check_topologies": "verl_core.engine:check_topologies"},
     since="0.2.0",
     removed_in="0.4.0",
 )

@@ -229,7 +229,7 @@ def first_token_with(function):
     logits) with ``function`` and every later one with ``sample_next``, as a rollout with a prefill
     path of its own does."""
 
-    def _decode(self, prompts, prompt_mask, sampling, generator):
+    def _decode(self, prompts, prompt_mask, sampling, generator, stop=None):
         first = True
 
         def sample(logits, sampling, generator):
@@ -240,7 +240,7 @@ def first_token_with(function):
             return sample_next(logits, sampling, generator)
 
         with sampling_with(sample):
-            return HFRollout._decode(self, prompts, prompt_mask, sampling, generator)
+            return HFRollout._decode(self, prompts, prompt_mask, sampling, generator, stop)
 
     return _decode
 
@@ -390,7 +390,7 @@ BROKEN_ROLLOUTS = {
 @hookimpl
 def verl_rollout_backends() -> list[RolloutBackend]:
     return [
-        RolloutBackend(name=name, rollout=rollout, config=HFRolloutConfig, devices=("cpu",))
+        RolloutBackend(name=name, rollout=rollout, config=HFRolloutConfig, devices=("cpu",), api_version=1)
         for name, (rollout, _) in BROKEN_ROLLOUTS.items()
     ]
 

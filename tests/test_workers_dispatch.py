@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from fixtures.rollouts import answered
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -16,9 +17,6 @@ from tensordict import TensorDict
 from verl_core.data.batch import (
     RESPONSE_MASK,
     RESPONSES,
-    ROLLOUT_LOG_PROBS,
-    join_prompts_and_responses,
-    left_pad,
 )
 from verl_core.engine import Topology, check_topologies
 from verl_core.errors import ConfigError
@@ -109,16 +107,7 @@ class PromptFunctionRollout:
             [(3 * token + i) % 50 + 2 for i, token in enumerate(prompt)][: 1 + sum(prompt) % 5]
             for prompt in prompts
         ]
-        prompt_ids, prompt_mask = left_pad([list(prompt) for prompt in prompts], sampling.pad_token_id)
-        width = max(len(answer) for answer in answers)
-        responses = torch.full((len(prompts), width), sampling.pad_token_id)
-        mask = torch.zeros(len(prompts), width, dtype=torch.int64)
-        for row, answer in enumerate(answers):
-            responses[row, : len(answer)] = torch.tensor(answer)
-            mask[row, : len(answer)] = 1
-        batch = join_prompts_and_responses(prompt_ids, prompt_mask, responses, mask)
-        batch[ROLLOUT_LOG_PROBS] = -responses.float() / 100 * mask
-        return batch
+        return answered(prompts, answers, sampling.pad_token_id)
 
 
 class Rank:
@@ -128,6 +117,7 @@ class Rank:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self.rollout = PromptFunctionRollout()
+        self.rollout_sleeps = self.rollout_asleep = False  # as ActorWorker's, for its generate
         self.forward_rows: list[int] = []
 
     def initialize(self) -> Topology:

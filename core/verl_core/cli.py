@@ -28,8 +28,8 @@ from verl_core.hookspecs import Kind
 from verl_core.plugins import get_registry, messages
 from verl_core.plugins.table import (
     BACKEND_COLUMNS,
-    ENTRY_COLUMNS,
     backend_rows,
+    columns_of,
     entry_rows,
     format_table,
     problem_notes,
@@ -167,7 +167,7 @@ def _run_plugins(args: argparse.Namespace) -> int:
         print(json.dumps(document, indent=2))
         return 0
     blocks = [format_table(tables.pop(Kind.ENGINE_BACKENDS), BACKEND_COLUMNS)]
-    blocks += [f"{kind}:\n" + format_table(rows, ENTRY_COLUMNS) for kind, rows in tables.items()]
+    blocks += [f"{kind}:\n" + format_table(rows, columns_of(kind)) for kind, rows in tables.items()]
     problems = [] if args.all else problem_notes(registry)
     if problems:
         blocks.append(

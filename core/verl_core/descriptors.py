@@ -29,6 +29,15 @@ MIN_ENGINE_API_VERSION = 1
 #: What ``EngineBackend(api_version=...)`` meant before it had to be stated: verl-core 0.1.0 filled in
 #: its own version, 1.
 UNSTATED_API_VERSION = 1
+#: Version of the rollout contract (``verl_core.rollout.BaseRollout``), the newest one this core speaks.
+#: 1: ``initialize``, ``update_weights``, ``generate``. 2 adds request-level generation (abortable,
+#: resumable), ``sleep``/``wake_up`` and bucketed weight sync, each with a default built on contract 1,
+#: and the capabilities a backend declares (``RolloutBackend.capabilities``).
+ROLLOUT_API_VERSION = 2
+#: The oldest rollout API version core still accepts (a contract-1 rollout runs on the defaults).
+MIN_ROLLOUT_API_VERSION = 1
+#: What ``RolloutBackend(api_version=...)`` means when left out: the contract before it was numbered.
+UNSTATED_ROLLOUT_API_VERSION = 1
 
 
 class Choice(str, enum.Enum):
@@ -143,13 +152,22 @@ def providing(provider: str) -> Iterator[None]:
 
 
 def _check_api_version(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is None:  # read as UNSTATED_API_VERSION (with a warning) by __attrs_post_init__
+    if value is None:  # read as the unstated version (with a warning) by __attrs_post_init__
         return
     if not isinstance(value, int) or isinstance(value, bool):
+        newest = ROLLOUT_API_VERSION if isinstance(instance, RolloutBackend) else ENGINE_API_VERSION
         raise TypeError(
             f"{type(instance).__name__}(name={instance.name!r}): api_version={value!r}: expected an int, "
-            f"e.g. api_version={ENGINE_API_VERSION}"
+            f"e.g. api_version={newest}"
         )
+
+
+def _warn_unstated(backend: Any, deprecation: Any, label: str) -> None:
+    """Warn that ``backend`` states no ``api_version``, naming the plugin that made it (when discovery or
+    the registry is calling it), attributed to the plugin's line that builds the descriptor."""
+    provider = _PROVIDER.get()
+    who = f"{provider}, {label} '{backend.name}'" if provider else f"{label} '{backend.name}'"
+    warnings.warn(f"{who}: {deprecation.message}", deprecation.category, stacklevel=4)
 
 
 def _as_tuple(value: Any) -> tuple[str, ...]:
@@ -191,14 +209,7 @@ class EngineBackend:
 
     def __attrs_post_init__(self) -> None:
         if self.api_version is None:
-            provider = _PROVIDER.get()
-            who = f"{provider}, engine backend '{self.name}'" if provider else f"engine backend '{self.name}'"
-            # Attributed to the plugin's line that builds the descriptor (through attrs' __init__).
-            warnings.warn(
-                f"{who}: {UNSTATED_API_VERSION_DEPRECATION.message}",
-                UNSTATED_API_VERSION_DEPRECATION.category,
-                stacklevel=3,
-            )
+            _warn_unstated(self, UNSTATED_API_VERSION_DEPRECATION, "engine backend")
             object.__setattr__(self, "api_version", UNSTATED_API_VERSION)
 
     def load_engine(self) -> type:
@@ -275,10 +286,128 @@ class RewardFunction(_Function):
     """
 
 
+class RequestMode(Choice):
+    """How a rollout serves ``generate_request`` (``RolloutCapabilities.requests``)."""
+
+    #: ``BaseRollout``'s default: each request is a ``generate`` call of one prompt, one at a time; an
+    #: abort takes effect only while the request waits for its turn.
+    BATCH = "batch"
+    #: Its own request path, one request at a time.
+    SERIAL = "serial"
+    #: Its own request path, the requests in flight decoded together (continuous batching).
+    CONCURRENT = "concurrent"
+
+
+class LogProbSemantics(Choice):
+    """Which distribution a rollout's log-probs of its sampled tokens are taken under
+    (``RolloutCapabilities.log_prob_semantics``)."""
+
+    #: The contract's: ``log_softmax(logits / T)`` before top-k / top-p (untempered for greedy decoding),
+    #: what a training engine computes for the same tokens.
+    TEMPERED = "tempered"
+    #: ``log_softmax(logits)``, whatever the temperature (vLLM's default ``raw_logprobs``): the contract's
+    #: only at T = 1 and for greedy decoding.
+    RAW = "raw"
+    #: After temperature and top-k / top-p, renormalised over the tokens the filters keep: the contract's
+    #: only with the filters off.
+    FILTERED = "filtered"
+
+
+DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
+def _as_choice(choice: type[Choice]) -> Callable[[Any], Any]:
+    """A converter to ``choice``'s member for its strings; other values are left for the validator."""
+    return lambda value: choice(value) if value in tuple(choice) else value
+
+
+def _check_tolerance(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(
+            f"RolloutCapabilities.log_prob_tolerance={value!r}: expected a number in (0, 1), the largest "
+            "|log-prob difference| from the Hugging Face float32 reference the backend meets in float32"
+        )
+
+
+@attrs.frozen
+class RolloutCapabilities:
+    """What a rollout backend can do beyond rollout contract 1, declared on its descriptor
+    (``RolloutBackend.capabilities``): the trainer reads it to decide what to ask for, the rollout kit
+    to choose its checks (a check of a capability the backend does not declare is skipped, saying why)
+    and to verify every claim made. The defaults describe a contract-1 rollout running on
+    ``BaseRollout``'s defaults; docs/plugins.md says what to implement for each capability.
+    """
+
+    #: How ``generate_request`` is served (``RequestMode``).
+    requests: RequestMode = attrs.field(default=RequestMode.BATCH, converter=_as_choice(RequestMode))
+    #: ``abort`` stops a request while it generates, at a decoding step's granularity, and the request
+    #: returns the tokens and log-probs it has (finish reason ``aborted``); without it, an abort takes
+    #: effect only on a request still waiting. Resuming (``RolloutRequest.resume_from``) works either way.
+    abort_resume: bool = False
+    #: Sequences that share a prompt (or a prompt's prefix) share its prefill: the ``n`` samples of a
+    #: prompt are computed once up to their first token.
+    prefix_caching: bool = False
+    #: ``sleep()`` frees the rollout's cache memory (its KV cache, its copies of the weights) until
+    #: ``wake_up()``; without it both do nothing.
+    sleep: bool = False
+    #: ``sleep()`` also frees the weights' device memory (``wake_up()`` brings the same weights back).
+    sleep_frees_weights: bool = False
+    #: The distribution of the log-probs it reports (``LogProbSemantics``); the contract's is ``tempered``.
+    log_prob_semantics: LogProbSemantics = attrs.field(
+        default=LogProbSemantics.TEMPERED, converter=_as_choice(LogProbSemantics)
+    )
+    #: The model dtypes it generates in (``rollout.dtype``, or the actor's): a config asking for another
+    #: is refused before any worker starts.
+    dtypes: tuple[str, ...] = attrs.field(
+        default=DTYPE_NAMES, converter=_as_tuple, validator=_check_members(DTYPE_NAMES)
+    )
+    #: The largest |difference| between its log-probs and the Hugging Face float32 reference's, on the
+    #: same tokens, that it meets in float32 (the rollout kit measures it, and uses it for every
+    #: log-prob comparison). The default is what rollout kit 1 held every rollout to.
+    log_prob_tolerance: float = attrs.field(default=1e-5, validator=_check_tolerance)
+
+    def __attrs_post_init__(self) -> None:
+        for name, choice in _CHOICE_FIELDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, choice):
+                raise ValueError(
+                    f"RolloutCapabilities.{name}={value!r}: expected one of {[str(m) for m in choice]}"
+                )
+        if self.sleep_frees_weights and not self.sleep:
+            raise ValueError("RolloutCapabilities(sleep_frees_weights=True) needs sleep=True")
+        if self.abort_resume and self.requests is RequestMode.BATCH:
+            raise ValueError(
+                "RolloutCapabilities(abort_resume=True) needs a request path of the backend's own "
+                "(requests='serial' or 'concurrent'): BaseRollout's default cannot stop a generate call"
+            )
+
+
+_CHOICE_FIELDS: dict[str, type[Choice]] = {"requests": RequestMode, "log_prob_semantics": LogProbSemantics}
+
+#: Leaving ``RolloutBackend.api_version`` out is deprecated: it reads as 1, the contract before it was numbered.
+UNSTATED_ROLLOUT_API_VERSION_DEPRECATION = declare(
+    "RolloutBackend without api_version",
+    since="0.2.0",
+    removed_in="0.4.0",
+    replacement=(
+        f"RolloutBackend(..., api_version={UNSTATED_ROLLOUT_API_VERSION}) for a rollout written for contract 1 "
+        f"(initialize, update_weights, generate), or api_version={ROLLOUT_API_VERSION} with its capabilities "
+        "(docs/plugins.md), as a literal number"
+    ),
+)
+
+
 @attrs.frozen
 class RolloutBackend:
     """A rollout (generation) backend, selected by ``rollout.backend``: core's built-in ``hf``, vLLM,
-    SGLang. ``rollout`` names a ``verl_core.rollout.BaseRollout`` subclass, ``config`` its options class."""
+    SGLang. ``rollout`` names a ``verl_core.rollout.BaseRollout`` subclass, ``config`` its options class.
+
+    ``api_version`` is the rollout API version the rollout implements, as a literal number: 1 for a
+    rollout written for ``initialize``, ``update_weights`` and ``generate`` only (it gets every
+    contract-2 method from ``BaseRollout``'s defaults), 2 for one that states its ``capabilities``.
+    Leaving it out is deprecated: it reads as 1, with a warning naming the plugin. ``capabilities``
+    (``RolloutCapabilities``) are contract 2's: a version-1 backend keeps the defaults.
+    """
 
     name: str = attrs.field(validator=_check_name)
     rollout: Loadable = attrs.field(validator=_check_loadable)
@@ -288,6 +417,23 @@ class RolloutBackend:
     )
     description: str = ""
     override: bool = False
+    api_version: int = attrs.field(default=None, validator=_check_api_version)
+    capabilities: RolloutCapabilities = attrs.field(factory=RolloutCapabilities)
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.capabilities, RolloutCapabilities):
+            raise TypeError(
+                f"RolloutBackend(name={self.name!r}): capabilities={self.capabilities!r}: expected a "
+                "verl_core.rollout.RolloutCapabilities"
+            )
+        if self.api_version is None:
+            _warn_unstated(self, UNSTATED_ROLLOUT_API_VERSION_DEPRECATION, "rollout backend")
+            object.__setattr__(self, "api_version", UNSTATED_ROLLOUT_API_VERSION)
+        if self.api_version == 1 and self.capabilities != RolloutCapabilities():
+            raise ValueError(
+                f"RolloutBackend(name={self.name!r}): capabilities are rollout contract 2's, and it states "
+                f"api_version=1: state api_version={ROLLOUT_API_VERSION} (docs/plugins.md, 'A rollout backend')"
+            )
 
 
 @attrs.frozen

@@ -98,7 +98,8 @@ def verl_rollout_backends() -> list[RolloutBackend]:
 
     Called once per plugin when the registry is built; the rollout class and its options class are
     imported when a run selects them. Failures make the plugin ``broken``, as for
-    ``verl_engine_backends``.
+    ``verl_engine_backends``; a backend whose rollout ``api_version`` core does not accept is listed
+    ``incompatible`` and refused on lookup.
     """
 
 

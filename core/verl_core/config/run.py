@@ -155,6 +155,14 @@ class RolloutConfig:
     #: from a slightly different distribution than the engine trains, so the old log-probs are the
     #: engine's (``RunConfig.old_log_probs_source``).
     dtype: DtypeName | None = None
+    #: The weight sync after every update: the engine's weights travel to the rollout in buckets of about
+    #: this many MiB, each checked on arrival (``verl_core.rollout.buckets``; verl's key of the same name);
+    #: a tensor larger than a bucket travels alone. 0: one tensor at a time (``update_weights``), unchecked.
+    update_weights_bucket_megabytes: int = attrs.field(default=512, validator=non_negative)
+    #: Put the rollout to sleep after it generates (``BaseRollout.sleep``: a backend that declares ``sleep``
+    #: frees its KV cache, and where it can its weights, while the actor trains) and wake it before the
+    #: weight sync or its next generation (verl's key of the same name). Others do nothing on it.
+    free_cache_engine: bool = True
     #: Multi-turn rollouts with an environment (tools); off unless ``agent.environment`` is set.
     agent: AgentConfig = attrs.field(factory=AgentConfig)
 
@@ -340,6 +348,7 @@ class RunConfig:
             self._groups_to_compare,
             self._values_have_a_critic,
             self._rollout_options_fit_its_model,
+            self._rollout_generates_in_its_dtype,
         )
 
     def _mini_batches_divide_the_batch(self) -> Iterator[tuple[str, str]]:
@@ -386,6 +395,22 @@ class RunConfig:
             dtype_key = "rollout.dtype" if self.rollout.dtype else "actor.engine.model.dtype"
             for key, message in check_model(self.rollout_model.dtype, dtype_key):
                 yield f"rollout.{self.rollout.backend}.{key}", message
+
+    def _rollout_generates_in_its_dtype(self) -> Iterator[tuple[str, str]]:
+        # A backend declares the dtypes it generates in (RolloutCapabilities.dtypes): another is refused
+        # here, before any worker loads a model.
+        try:
+            backend = current_registry().get(Kind.ROLLOUT_BACKENDS, self.rollout.backend)
+        except VerlCoreError:
+            return  # an unknown backend is reported at rollout.backend
+        dtype, dtypes = self.rollout_model.dtype, backend.capabilities.dtypes
+        if dtype not in dtypes:
+            key = "rollout.dtype" if self.rollout.dtype else "actor.engine.model.dtype"
+            yield (
+                key,
+                f"rollout backend '{self.rollout.backend}' generates in {', '.join(dtypes)}, not {dtype}: "
+                f"set rollout.dtype to one of them (the rollout may differ from the actor's dtype)",
+            )
 
     def ignored(self) -> Iterator[tuple[str, str]]:
         if self.ref.engine is not None and not self.uses_kl:

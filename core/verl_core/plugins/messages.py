@@ -9,7 +9,12 @@ from __future__ import annotations
 import importlib.metadata as metadata
 
 from verl_core import __version__
-from verl_core.descriptors import ENGINE_API_VERSION, MIN_ENGINE_API_VERSION
+from verl_core.descriptors import (
+    ENGINE_API_VERSION,
+    MIN_ENGINE_API_VERSION,
+    MIN_ROLLOUT_API_VERSION,
+    ROLLOUT_API_VERSION,
+)
 from verl_core.errors import did_you_mean
 from verl_core.hookspecs import ENTRY_POINT_GROUP, Kind
 from verl_core.plugins.switches import ENV_BLOCK, ENV_DISABLE_AUTOLOAD, ENV_PLUGINS
@@ -69,25 +74,39 @@ def conflict(
     )
 
 
-def api_mismatch(label: str, name: str, by: str, distribution: str | None, plugin: str, version: int) -> str:
-    if version > ENGINE_API_VERSION:
+#: The contracts with a version, by the kind of descriptor that states it: (name, oldest accepted, newest).
+API_VERSIONS: dict[str, tuple[str, int, int]] = {
+    Kind.ENGINE_BACKENDS: ("engine", MIN_ENGINE_API_VERSION, ENGINE_API_VERSION),
+    Kind.ROLLOUT_BACKENDS: ("rollout", MIN_ROLLOUT_API_VERSION, ROLLOUT_API_VERSION),
+}
+
+
+def api_mismatch(
+    label: str, name: str, by: str, distribution: str | None, plugin: str, version: int, kind: str
+) -> str:
+    contract, _, newest = API_VERSIONS[kind]
+    if version > newest:
         upgrade = "Upgrade verl-core (pip install -U verl-core)"
     elif distribution:
         upgrade = f"Upgrade {distribution} (pip install -U {distribution})"
     else:
         upgrade = f"Upgrade plugin '{plugin}'"
     return (
-        f"{label} '{name}' from {by} targets engine API version {version}, "
-        f"but verl-core {__version__} speaks {spoken_api_versions()}. "
+        f"{label} '{name}' from {by} targets {contract} API version {version}, "
+        f"but verl-core {__version__} speaks {spoken_api_versions(kind)}. "
         f"{upgrade} so that both speak the same version."
     )
 
 
-def spoken_api_versions() -> str:
-    """``engine API version 2`` or ``engine API versions 1 to 2``: what this core accepts."""
-    if MIN_ENGINE_API_VERSION == ENGINE_API_VERSION:
-        return f"engine API version {ENGINE_API_VERSION}"
-    return f"engine API versions {MIN_ENGINE_API_VERSION} to {ENGINE_API_VERSION}"
+def spoken_api_versions(kind: str | None = None) -> str:
+    """``engine API version 2`` or ``engine API versions 1 to 2``: what this core accepts of the contract
+    of ``kind``; of every versioned contract, comma-separated, when ``kind`` is ``None``."""
+    if kind is None:
+        return ", ".join(spoken_api_versions(each) for each in API_VERSIONS)
+    contract, oldest, newest = API_VERSIONS[kind]
+    if oldest == newest:
+        return f"{contract} API version {newest}"
+    return f"{contract} API versions {oldest} to {newest}"
 
 
 def unimportable(label: str, name: str, by: str, field: str, target: str, cause: str) -> str:

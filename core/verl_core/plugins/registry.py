@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import attrs
 
-from verl_core.descriptors import ENGINE_API_VERSION, MIN_ENGINE_API_VERSION, load_object, providing
+from verl_core.descriptors import load_object, providing
 from verl_core.errors import (
     ApiVersionError,
     DuplicateNameError,
@@ -35,8 +35,8 @@ from verl_core.plugins.discovery import (
     same_distribution,
 )
 
-#: ``ok``: resolvable; ``incompatible``: targets another engine API version; ``conflict``: another
-#: plugin provides the same name; ``overridden``: another plugin replaced it with ``override=True``;
+#: ``ok``: resolvable; ``incompatible``: targets another engine (or rollout) API version; ``conflict``:
+#: another plugin provides the same name; ``overridden``: another plugin replaced it with ``override=True``;
 #: ``broken``: one of its import strings names a module that cannot be found.
 EntryStatus = Literal["ok", "incompatible", "conflict", "overridden", "broken"]
 
@@ -256,8 +256,8 @@ class Registry:
 
 def _resolve(kind: HookKind, group: list[Entry]) -> list[Entry]:
     """Statuses for the providers of one name: a single provider, or exactly one ``override=True``,
-    wins; otherwise all conflict. The winner is incompatible if it targets another engine API, and
-    broken if one of its import strings names a module that cannot be found."""
+    wins; otherwise all conflict. The winner is incompatible if it targets an engine (rollout) API version
+    core does not speak, and broken if one of its import strings names a module that cannot be found."""
     overrides = [entry for entry in group if entry.descriptor.override]
     if len(group) > 1 and len(overrides) != 1:
         error = messages.conflict(
@@ -276,10 +276,11 @@ def _resolve(kind: HookKind, group: list[Entry]) -> list[Entry]:
         for i, entry in enumerate(group)
     ]
     entry = group[winner]
-    api_version = getattr(entry.descriptor, "api_version", ENGINE_API_VERSION)
-    if not MIN_ENGINE_API_VERSION <= api_version <= ENGINE_API_VERSION:
+    versions = messages.API_VERSIONS.get(kind.kind)
+    api_version = getattr(entry.descriptor, "api_version", None)
+    if versions is not None and not versions[1] <= api_version <= versions[2]:
         error = messages.api_mismatch(
-            kind.label, entry.name, entry.provider, entry.distribution, entry.plugin, api_version
+            kind.label, entry.name, entry.provider, entry.distribution, entry.plugin, api_version, kind.kind
         )
         resolved[winner] = attrs.evolve(entry, status="incompatible", error=error)
     elif (problem := _missing_module(entry)) is not None:

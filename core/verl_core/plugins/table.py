@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
 from verl_core.hookspecs import Kind
 from verl_core.plugins.discovery import PluginInfo
 from verl_core.plugins.registry import Entry, Registry
@@ -25,6 +27,24 @@ BACKEND_COLUMNS = (
 )
 #: Keys of one row of the other registries (``--all``).
 ENTRY_COLUMNS = ("name", "plugin", "distribution", "version", "status", "description", "error")
+#: Keys of one rollout backend's row: also the rollout API version it targets and what it declares it
+#: can do (``RolloutCapabilities``: one line in the table, an object in ``--json``).
+ROLLOUT_COLUMNS = (
+    "name",
+    "plugin",
+    "distribution",
+    "version",
+    "api_version",
+    "capabilities",
+    "status",
+    "description",
+    "error",
+)
+
+
+def columns_of(kind: str) -> tuple[str, ...]:
+    """The columns of ``kind``'s table (``--all``)."""
+    return ROLLOUT_COLUMNS if kind == Kind.ROLLOUT_BACKENDS else ENTRY_COLUMNS
 
 
 def _problems(registry: Registry, plugin: str) -> list[Entry]:
@@ -87,9 +107,10 @@ def _backend_row(info: PluginInfo, entry: Entry | None) -> dict[str, Any]:
 
 
 def entry_rows(registry: Registry, kind: str) -> list[dict[str, Any]]:
-    """One row per descriptor of ``kind`` (``--all``)."""
-    return [
-        {
+    """One row per descriptor of ``kind`` (``--all``), with the keys of ``columns_of(kind)``."""
+    rows = []
+    for entry in registry.entries(kind):
+        row = {
             "name": entry.name,
             "plugin": entry.plugin,
             "distribution": entry.distribution,
@@ -98,8 +119,19 @@ def entry_rows(registry: Registry, kind: str) -> list[dict[str, Any]]:
             "description": entry.descriptor.description,
             "error": entry.error,
         }
-        for entry in registry.entries(kind)
-    ]
+        if kind == Kind.ROLLOUT_BACKENDS:
+            capabilities = entry.descriptor.capabilities
+            row["api_version"] = entry.descriptor.api_version
+            row["capabilities"] = {
+                name: str(value)
+                if isinstance(value, str)
+                else list(value)
+                if isinstance(value, tuple)
+                else value
+                for name, value in attrs.asdict(capabilities, recurse=False).items()
+            }
+        rows.append({column: row[column] for column in columns_of(kind)})
+    return rows
 
 
 def format_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
@@ -110,6 +142,14 @@ def format_table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
             return ""
         if isinstance(value, list):
             return ",".join(map(str, value))
+        if isinstance(value, dict):  # a rollout's capabilities: the flags that are on, and the values
+            return " ".join(
+                name
+                if item is True
+                else f"{name}={'/'.join(map(str, item)) if isinstance(item, list) else item}"
+                for name, item in value.items()
+                if item is not False
+            )
         return " ".join(str(value).split())  # one line per row, even for multi-line errors
 
     lines = [list(columns)] + [[cell(row[column]) for column in columns] for row in rows]

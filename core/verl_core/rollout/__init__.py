@@ -1,8 +1,10 @@
 """Rollouts: generation backends, a plugin kind like engines (``rollout.backend``).
 
-The contract is ``BaseRollout`` (``base``); core's built-in backend ``hf`` (``hf``: its own KV-cache
-decoding loop over a Hugging Face causal LM, options in ``config``) is registered through the
-``verl_rollout_backends`` hook like any plugin's, so vLLM or SGLang rollouts plug in the same way.
+The contract is ``BaseRollout`` (``base``; contract 2's requests in ``requests``, its weight buckets in
+``buckets``, the capabilities a backend declares with its descriptor); core's built-in backend ``hf``
+(``hf``: its own KV-cache decoding loop over a Hugging Face causal LM, options in ``config``) is
+registered through the ``verl_rollout_backends`` hook like any plugin's, so vLLM or SGLang rollouts plug
+in the same way.
 Imports are lazy: listing plugins and loading a config import no torch.
 """
 
@@ -11,9 +13,20 @@ from verl_core.lazy import lazy_exports
 
 _EXPORTS = {
     "BaseRollout": "verl_core.rollout.base",
-    "SamplingParams": "verl_core.rollout.base",
+    "SamplingParams": "verl_core.rollout.params",
     "HFRollout": "verl_core.rollout.hf",
     "HFRolloutConfig": "verl_core.rollout.config",
+    # contract 2: its version, the capabilities a backend declares, requests, bucketed weight sync
+    "ROLLOUT_API_VERSION": "verl_core.descriptors",
+    "MIN_ROLLOUT_API_VERSION": "verl_core.descriptors",
+    "RolloutCapabilities": "verl_core.descriptors",
+    "RequestMode": "verl_core.descriptors",
+    "LogProbSemantics": "verl_core.descriptors",
+    "RolloutRequest": "verl_core.rollout.requests",
+    "RolloutResponse": "verl_core.rollout.requests",
+    "FinishReason": "verl_core.rollout.requests",
+    "WeightBucket": "verl_core.rollout.buckets",
+    "weight_buckets": "verl_core.rollout.buckets",
 }
 
 __all__ = sorted(_EXPORTS)

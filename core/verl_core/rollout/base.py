@@ -7,93 +7,37 @@ batch contract of ``verl_core.data.batch`` (prompts left-padded, responses right
 response ending with its EOS token when one was sampled), plus ``rollout_log_probs``: the
 log-probability of each sampled token under ``softmax(logits / temperature)``, the distribution the
 training engine computes (before top-k / top-p filtering, which only restrict what is sampled).
+
+That is rollout contract 1 (``initialize``, ``update_weights``, ``generate``: the abstract methods).
+Contract 2 (``verl_core.rollout.ROLLOUT_API_VERSION``) adds, each with a default built on contract 1
+that a backend overrides where it can do better (and says so in its ``RolloutCapabilities``):
+``generate_request`` and ``abort`` (one prompt at a time, asynchronously; ``verl_core.rollout.requests``),
+``sleep`` and ``wake_up`` (free the rollout's memory while the trainer updates), and
+``update_weights_from_buckets`` (the weights as verified buckets; ``verl_core.rollout.buckets``).
 """
 
 from __future__ import annotations
 
 import abc
-import math
-import numbers
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+import threading
+from collections.abc import Iterable, Sequence
 
-import attrs
 import torch
 from tensordict import TensorDict
 
 from verl_core import errors
 from verl_core.config.engine import ModelConfig
 from verl_core.deprecation import moved_names
-
-
-def _sampling_rule(description: str, accept: Callable[[Any], bool]) -> Callable[[Any, Any, Any], None]:
-    """An attrs validator refusing what ``accept`` does not (and booleans, which are ints to Python),
-    with a ``ValueError`` naming the field and what it must be."""
-
-    def validate(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if isinstance(value, bool) or not accept(value):
-            raise ValueError(f"SamplingParams.{attribute.name}={value!r}: must be {description}")
-
-    return validate
-
-
-def _is_int(value: Any, low: int) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= low
-
-
-def _is_number(value: Any, low: float, high: float = math.inf, *, include_low: bool = True) -> bool:
-    return (
-        isinstance(value, numbers.Real)
-        and math.isfinite(value)
-        and (value >= low if include_low else value > low)
-        and value <= high
-    )
-
-
-@attrs.frozen
-class SamplingParams:
-    """How one ``generate`` call samples.
-
-    ``temperature=0`` is greedy decoding (its log-probs are those of the untempered distribution);
-    ``top_k=0`` and ``top_p=1`` disable the filters. Generation stops at any of ``eos_token_ids`` or
-    after ``max_new_tokens``. Every field is checked on construction (a ``ValueError`` naming it): a
-    negative temperature would sample the inverted distribution, and ``top_p=0`` keep no token.
-    """
-
-    max_new_tokens: int = attrs.field(
-        validator=_sampling_rule("an int >= 1: the most tokens a response may have", lambda v: _is_int(v, 1))
-    )
-    eos_token_ids: tuple[int, ...] = attrs.field(
-        validator=_sampling_rule(
-            "a tuple of token ids (ints >= 0); () for none",
-            lambda ids: isinstance(ids, (tuple, list)) and all(_is_int(i, 0) for i in ids),
-        )
-    )
-    pad_token_id: int = attrs.field(
-        validator=_sampling_rule("a token id, an int >= 0", lambda v: _is_int(v, 0))
-    )
-    temperature: float = attrs.field(
-        default=1.0,
-        validator=_sampling_rule("a finite number >= 0 (0: greedy decoding)", lambda v: _is_number(v, 0)),
-    )
-    top_k: int = attrs.field(
-        default=0,
-        validator=_sampling_rule(
-            "an int >= 0: sample among the top_k most likely tokens, 0 for all of them (vLLM's -1)",
-            lambda v: _is_int(v, 0),
-        ),
-    )
-    top_p: float = attrs.field(
-        default=1.0,
-        validator=_sampling_rule(
-            "a number in (0, 1]: the probability mass sampled from, 1 for all of it",
-            lambda v: _is_number(v, 0, 1, include_low=False),
-        ),
-    )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+from verl_core.rollout.buckets import WeightBucket, unpack_buckets
+from verl_core.rollout.params import SamplingParams
+from verl_core.rollout.requests import (
+    FinishReason,
+    RolloutRequest,
+    RolloutResponse,
+    abort_in_turn,
+    one_prompt_call,
+    serve_in_turn,
+)
 
 
 class BaseRollout(abc.ABC):
@@ -137,6 +81,58 @@ class BaseRollout(abc.ABC):
         Returns the batch contract (``input_ids``, ``attention_mask``, ``position_ids``,
         ``responses``, ``response_mask``) and ``rollout_log_probs``, on the CPU, in prompt order.
         """
+
+    # -- contract 2: each a default built on contract 1 --------------------------------------------
+
+    async def generate_request(self, request: RolloutRequest) -> RolloutResponse:
+        """Answer one request: its tokens, their log-probs (those ``generate`` reports) and why it ended
+        (``verl_core.rollout.requests``: ``resume_from``, the seed, what a resumed request preserves).
+
+        The default serves requests one at a time, in the order they arrive, each as a ``generate`` call
+        of one prompt in a worker thread (``asyncio.to_thread``): a request aborted while it waits
+        returns at once with no new token (finish ``aborted``); one already generating runs to its end.
+        A backend with a request path of its own (continuous batching, abort between decoding steps)
+        overrides this and ``abort``, and declares it (``RolloutCapabilities.requests``,
+        ``abort_resume``). A ``request_id`` already in flight is refused with ``RolloutError``.
+        """
+        return await serve_in_turn(self, request)
+
+    async def abort(self, request_id: str) -> None:
+        """End the request ``request_id`` early: it returns the tokens it has, finish ``aborted`` (at
+        once while it waits; between decoding steps where the backend declares ``abort_resume``). An id
+        that is not in flight (finished already, or never sent) is ignored: an abort may cross the end."""
+        abort_in_turn(self, request_id)
+
+    def _serve_request(
+        self, request: RolloutRequest, stop: threading.Event
+    ) -> tuple[list[int], list[float], FinishReason]:
+        """What ``generate_request``'s default runs in its worker thread, in the request's turn: the new
+        tokens of ``request`` (after ``resume_from``'s), their log-probs and the finish reason. This one
+        is a ``generate`` call of one prompt (``stop`` cannot interrupt it); ``HFRollout`` decodes in
+        place, checking ``stop`` between steps."""
+        return one_prompt_call(self, request)
+
+    def sleep(self) -> None:  # noqa: B027 (a default, deliberately doing nothing)
+        """Free what the rollout can while the trainer updates (its KV cache, copies of its weights; the
+        weights themselves where ``RolloutCapabilities.sleep_frees_weights``) until ``wake_up()``.
+        Meanwhile generation and weight updates raise ``RolloutError`` naming ``wake_up()``. The default
+        frees nothing and refuses nothing (``RolloutCapabilities.sleep`` is false)."""
+
+    def wake_up(self) -> None:  # noqa: B027
+        """Undo ``sleep()``: the rollout generates again, with the weights it had (a backend may defer
+        re-allocating its cache to the next generation). Waking a rollout that is awake does nothing."""
+
+    def update_weights_from_buckets(self, buckets: Iterable[WeightBucket]) -> None:
+        """Replace the model's weights with a stream of buckets (``verl_core.rollout.buckets``): every
+        weight, full, Hugging Face names, packed by ``weight_buckets``. Each bucket is checked as it
+        arrives (its checksum, its index after the last one's, no name twice); a corrupt bucket, a
+        missing one, or a stream that ends before its final bucket raises ``RolloutError`` naming it, and
+        leaves the rollout refusing to generate until a complete stream (or ``update_weights``) succeeds.
+
+        The default feeds the checked tensors (views of each bucket, one bucket at a time) to
+        ``update_weights``, whose own refusals then apply as well.
+        """
+        self.update_weights(unpack_buckets(buckets))
 
 
 # First defined here; their homes are the batch vocabulary and the errors module.

@@ -12,10 +12,18 @@ Llama-architecture models, the model's own forward otherwise.
 
 The rollout holds its own copy of the weights (in eval mode, no gradients) and takes the trained
 ones through ``update_weights``, checking every name and shape against its model.
+
+Rollout contract 2 (``RolloutCapabilities`` in ``verl_core.rollout.catalog``): requests are served one at
+a time, each decoded as a call of one prompt is (the same tokens for the same seed), with ``abort``
+checked between decoding steps; ``sleep()`` frees the KV cache and the packed weights' copies (the
+weights stay: this rollout's weights are the ones it samples with, on its device); the n samples of a
+prompt in one call share its prefill. Decoding is one call at a time (a lock): the decoder's cache
+belongs to the rollout.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -27,6 +35,7 @@ from verl_core.errors import ConfigError, RolloutError, did_you_mean
 from verl_core.rollout.base import BaseRollout, SamplingParams
 from verl_core.rollout.config import HFRolloutConfig
 from verl_core.rollout.decoder import decoder_for, packing_problem
+from verl_core.rollout.requests import FinishReason, RolloutRequest, finish_reason
 from verl_core.rollout.sampling import sample_next
 from verl_core.toolkit.model import DTYPES, check_model_dir
 
@@ -41,6 +50,10 @@ class HFRollout(BaseRollout):
         self.model: torch.nn.Module | None = None
         #: False while the weights are those of no policy (an update that failed half-way).
         self._consistent = True
+        #: Between ``sleep()`` and ``wake_up()``.
+        self._asleep = False
+        #: Held while decoding: one call (or request) at a time uses the decoder and its cache.
+        self._decoding = threading.Lock()
 
     def initialize(self) -> None:
         if self.model is not None:
@@ -71,6 +84,7 @@ class HFRollout(BaseRollout):
     @torch.no_grad()
     def update_weights(self, params: Iterable[tuple[str, torch.Tensor]]) -> None:
         model = self._initialized()
+        self._awake("update the weights")
         expected = model.state_dict()
         seen: set[str] = set()
         self._consistent = False  # until every tensor has arrived
@@ -102,23 +116,53 @@ class HFRollout(BaseRollout):
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> TensorDict:
-        self._initialized()
-        if not self._consistent:
-            raise RolloutError("the last weight update failed half-way: update the weights before generating")
+        self._ready()
         if not prompts:
             raise ValueError("generate() needs at least one prompt")
         generator = torch.Generator(self.device).manual_seed(seed)
         size = self.options.max_batch_size or len(prompts)
-        try:
-            parts = [
-                self._generate(prompts[i : i + size], sampling, generator)
-                for i in range(0, len(prompts), size)
-            ]
-        finally:
-            # The KV cache and the packed weights hold memory the training step can use (as verl frees
-            # its inference engine's cache between rollouts); the next weight update outdates the copies.
-            self._decoder.release()
+        with self._decoding:
+            try:
+                parts = [
+                    self._generate(prompts[i : i + size], sampling, generator)
+                    for i in range(0, len(prompts), size)
+                ]
+            finally:
+                # The KV cache and the packed weights hold memory the training step can use (as verl
+                # frees its inference engine's cache between rollouts); the next weight update outdates
+                # the copies.
+                self._decoder.release()
         return concat_batches(parts, sampling.pad_token_id)
+
+    # -- contract 2: requests, sleep -------------------------------------------------------------
+
+    @torch.no_grad()
+    def _serve_request(
+        self, request: RolloutRequest, stop: threading.Event
+    ) -> tuple[list[int], list[float], FinishReason]:
+        """One request decoded alone, as ``generate`` decodes a call of its one prompt (the same seed
+        gives the same tokens), ``stop`` checked between steps. The KV cache and the weights' copies
+        are kept for the next request (``sleep()`` frees them)."""
+        self._ready()
+        prompt, sampling, seed = request.continuation()
+        generator = torch.Generator(self.device).manual_seed(seed)
+        with self._decoding, torch.inference_mode():
+            _, tokens, log_probs = self._decode(
+                [prompt], torch.ones(1, len(prompt), dtype=torch.int64), sampling, generator, stop
+            )
+        tokens = torch.cat(tokens).tolist() if tokens else []
+        log_probs = torch.cat(log_probs).tolist() if log_probs else []
+        return tokens, log_probs, finish_reason(tokens, sampling, aborted=stop.is_set())
+
+    def sleep(self) -> None:
+        """Free the KV cache and the packed copies of the weights until ``wake_up()`` (the weights stay)."""
+        self._initialized()
+        with self._decoding:
+            self._decoder.release()
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        self._asleep = False
 
     def _generate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, generator: torch.Generator
@@ -154,18 +198,17 @@ class HFRollout(BaseRollout):
         prompt_mask: torch.Tensor,
         sampling: SamplingParams,
         generator: torch.Generator,
+        stop: threading.Event | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """The decoding loop over ``prompts`` (left-padded: ``prompt_mask``): each step's rows (indices
         into ``prompts``), sampled tokens and their log-probs, to be written into the responses once
         decoding ends (one indexed write per tensor, not three per step: about 2% of a small model's
-        rollout on the CPU)."""
+        rollout on the CPU). Decoding ends early once ``stop`` is set (an aborted request)."""
         batch = len(prompts)
         device = self.device
         eos = torch.tensor(sampling.eos_token_ids, device=device)
-        # A prompt sampled n times is prefilled once: its rows share the prefill's logits and cache.
-        distinct: dict[tuple[int, ...], int] = {}
-        source = torch.tensor([distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts])
-        distinct_ids, distinct_mask = left_pad([list(prompt) for prompt in distinct], sampling.pad_token_id)
+        source, distinct = self._shared_prefills(prompts)
+        distinct_ids, distinct_mask = left_pad(distinct, sampling.pad_token_id)
 
         # The rows still decoding: a row that has sampled EOS leaves the batch (and the cache), so
         # the steps after it cost only what the rows still generating need.
@@ -192,6 +235,8 @@ class HFRollout(BaseRollout):
             going_on = ~torch.isin(tokens, eos)
             if not bool(going_on.any()) or step + 1 == sampling.max_new_tokens:
                 break
+            if stop is not None and stop.is_set():
+                break
             if not bool(going_on.all()):
                 keep = going_on.nonzero()[:, 0]
                 decoder.select(keep)
@@ -200,7 +245,28 @@ class HFRollout(BaseRollout):
             next_position = next_position + 1
         return sampled_rows, sampled_tokens, sampled_log_probs
 
+    @staticmethod
+    def _shared_prefills(prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, list[list[int]]]:
+        """The prompts to prefill, each distinct prompt once, and for every row the index of its own:
+        the n samples of a prompt share its prefill's logits and cache."""
+        distinct: dict[tuple[int, ...], int] = {}
+        source = torch.tensor([distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts])
+        return source, [list(prompt) for prompt in distinct]
+
     def _initialized(self) -> torch.nn.Module:
         if self.model is None:
             raise RolloutError("HFRollout is not initialised: call initialize() first")
         return self.model
+
+    def _awake(self, action: str) -> None:
+        if self._asleep:
+            raise RolloutError(
+                f"the rollout is asleep (sleep() freed its cache): call wake_up() before you {action}"
+            )
+
+    def _ready(self) -> None:
+        """Refuse to generate before ``initialize``, while asleep, or after a weight update that failed."""
+        self._initialized()
+        self._awake("generate")
+        if not self._consistent:
+            raise RolloutError("the last weight update failed half-way: update the weights before generating")

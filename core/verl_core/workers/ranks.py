@@ -45,6 +45,7 @@ from verl_core.engine.factory import build_engine
 from verl_core.engine.topology import Topology
 from verl_core.hookspecs import Kind
 from verl_core.rollout.base import SamplingParams
+from verl_core.rollout.buckets import weight_buckets
 
 
 def engine_topology(engine: BaseEngine) -> Topology:
@@ -88,6 +89,13 @@ def update_engine(
     return metrics
 
 
+def wake_rollout(worker: Any) -> None:
+    """Wake ``worker``'s rollout if it put it to sleep (``rollout.free_cache_engine``)."""
+    if worker.rollout_asleep:
+        worker.rollout.wake_up()
+        worker.rollout_asleep = False
+
+
 class ActorWorker:
     """One rank of the actor role. ``registry`` resolves backends (default: the installed plugins)."""
 
@@ -113,6 +121,10 @@ class ActorWorker:
             device=str(self.policy.device),
             config_path="rollout",
         )
+        #: Whether the rollout sleeps between its generations (``rollout.free_cache_engine``, and a
+        #: backend that declares sleep), and whether it is asleep now.
+        self.rollout_sleeps = config.rollout.free_cache_engine and entry.descriptor.capabilities.sleep
+        self.rollout_asleep = False
 
     def initialize(self) -> Topology:
         self.policy.initialize()
@@ -133,7 +145,13 @@ class ActorWorker:
         ranks), without asking the rollout, whose contract is at least one prompt."""
         if not prompts:
             return None
-        return self.rollout.generate(prompts, sampling, seed)
+        wake_rollout(self)
+        try:
+            return self.rollout.generate(prompts, sampling, seed)
+        finally:
+            if self.rollout_sleeps:  # its cache is free while the actor computes and trains
+                self.rollout.sleep()
+                self.rollout_asleep = True
 
     def weights(self) -> dict[str, torch.Tensor] | None:
         """The policy's full weights on the CPU under Hugging Face names, on DP rank 0 (every rank
@@ -144,8 +162,16 @@ class ActorWorker:
         return full if self.policy.dp_rank == 0 and self.policy.is_output_rank else None
 
     def sync_weights(self) -> None:
-        """The trained weights into the rollout, one full tensor at a time (a collective on sharded engines)."""
-        self.rollout.update_weights(self.policy.get_per_tensor_param())
+        """The trained weights into the rollout (gathering them is a collective on sharded engines): in
+        checked buckets of ``rollout.update_weights_bucket_megabytes``, or one tensor at a time with 0.
+        A sleeping rollout is woken first."""
+        wake_rollout(self)
+        params = self.policy.get_per_tensor_param()
+        megabytes = self.config.rollout.update_weights_bucket_megabytes
+        if megabytes:
+            self.rollout.update_weights_from_buckets(weight_buckets(params, megabytes << 20))
+        else:
+            self.rollout.update_weights(params)
 
     # -- log-probs ---------------------------------------------------------------------------------
 

@@ -3,9 +3,11 @@
 A check is a function ``(RolloutContext) -> Iterator[Comparison]`` that yields its comparisons as
 it makes them (so one that raises partway still reports them), run in one process against one
 initialised rollout of the kit's tiny model (``save_rollout_model``); one that cannot be exercised
-raises the engine kit's ``CheckSkipped`` (none of today's checks needs to: they all run on any
-device). ``ROLLOUT_CHECKS`` lists them in the order they run; the weight checks
-(``rollout_weights``), which replace the rollout's weights (and put the original ones back), run last.
+raises the engine kit's ``CheckSkipped``: contract 2's checks of a capability the backend does not
+declare (``RolloutCapabilities``: ``abort_resume``, ``prefix_caching``, ``sleep``). ``ROLLOUT_CHECKS``
+lists them in the order they run: contract 1's, the request-level ones (``rollout_requests``), then the
+weight checks (``rollout_weights``), which replace the rollout's weights (and put the original ones
+back), last.
 
 Every number is compared with the independent reference of ``verl_core.testing.reference``: the
 Hugging Face model run on each sample alone, unpadded, teacher-forced (``response_logits``), with
@@ -26,6 +28,7 @@ import attrs
 import torch
 
 from verl_core.data.batch import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
+from verl_core.descriptors import LogProbSemantics
 from verl_core.testing import reference
 from verl_core.testing.report import BITWISE, Check, Comparison, compare_tensors
 from verl_core.testing.rollout_context import (
@@ -37,7 +40,6 @@ from verl_core.testing.rollout_context import (
     GREEDY_TIE_TOLERANCE,
     INDEPENDENCE_P_LIMIT,
     INDEPENDENCE_PROMPTS,
-    LOG_PROB_TOLERANCE,
     MIXED_PROMPT_LENGTHS,
     N_SAMPLES,
     PROMPT_LENGTH,
@@ -46,14 +48,28 @@ from verl_core.testing.rollout_context import (
     RolloutContext,
     compare_log_probs,
     first_tokens,
+    follows,
     make_prompts,
     reference_log_probs,
     rows_of,
     save_rollout_model,
 )
 from verl_core.testing.rollout_layout import check_batch_contract
-from verl_core.testing.rollout_statistics import log_prob_z, repeated_draws
-from verl_core.testing.rollout_weights import check_weight_refusals, check_weight_sync
+from verl_core.testing.rollout_requests import (
+    check_abort_resume,
+    check_prefix_caching,
+    check_request_isolation,
+    check_requests,
+    check_resume,
+    check_stopping,
+)
+from verl_core.testing.rollout_statistics import repeated_draws
+from verl_core.testing.rollout_weights import (
+    check_sleep,
+    check_weight_buckets,
+    check_weight_refusals,
+    check_weight_sync,
+)
 
 __all__ = ["ROLLOUT_CHECKS", "RolloutCheck", "RolloutContext", "save_rollout_model"]
 
@@ -61,13 +77,39 @@ __all__ = ["ROLLOUT_CHECKS", "RolloutCheck", "RolloutContext", "save_rollout_mod
 
 
 def check_log_probs(ctx: RolloutContext) -> Iterator[Comparison]:
+    """At T = 0.7 and 1.0, ``rollout_log_probs`` equal the reference's under the declared semantics
+    (``RolloutCapabilities.log_prob_semantics``; the contract's ``log_softmax(logits / T)``) within the
+    declared ``log_prob_tolerance``, which is then reported against the largest difference measured."""
     prompts = make_prompts([PROMPT_LENGTH] * 8, seed=102)
+    semantics = ctx.capabilities.log_prob_semantics
+    worst, tokens = 0.0, 0
     for temperature in TEMPERATURES:
         output = ctx.generate(prompts, seed=11, temperature=temperature)
-        expected, mask = reference_log_probs(ctx.reference(), output, temperature)
-        yield compare_log_probs(
-            "log_probs", f"T={temperature}: rollout_log_probs", output, expected, mask, "reference"
+        expected, mask = reference_log_probs(ctx.reference(), output, temperature, semantics)
+        comparison = compare_log_probs(
+            "log_probs",
+            f"T={temperature}: rollout_log_probs",
+            output,
+            expected,
+            mask,
+            "reference",
+            ctx.declared,
         )
+        yield comparison
+        if bool(mask.any()):
+            difference = (output[ROLLOUT_LOG_PROBS].double() - expected).abs() / (1 + expected.abs())
+            worst, tokens = max(worst, float(difference[mask].max())), tokens + int(mask.sum())
+    declared = ctx.capabilities.log_prob_tolerance
+    yield Comparison(
+        "log_probs",
+        "the declared log_prob_tolerance holds",
+        0,
+        tokens > 0 and worst <= declared,
+        f"measured max |rollout - reference| / (1 + |reference|) = {worst:.3g} over {tokens} tokens "
+        f"({semantics} log-probs), declared log_prob_tolerance {declared:g}"
+        + ("" if worst <= declared else ": declare the tolerance the backend meets (RolloutCapabilities)"),
+        worst,
+    )
 
 
 def check_sampling(ctx: RolloutContext) -> Iterator[Comparison]:
@@ -86,7 +128,8 @@ def check_sampling(ctx: RolloutContext) -> Iterator[Comparison]:
                 logits = reference.response_logits(model, row.prompt, row.response).double()
                 log_probs.append(torch.log_softmax(logits / temperature, dim=-1))
                 sampled.append(torch.tensor(row.response))
-        yield _follows(
+        yield follows(
+            "sampling",
             f"T={temperature}: sampled tokens follow softmax(logits / T)",
             log_probs,
             sampled,
@@ -99,7 +142,8 @@ def check_sampling(ctx: RolloutContext) -> Iterator[Comparison]:
     output = ctx.generate(prompts, seed=31, temperature=FIRST_TOKEN_TEMPERATURE, max_new_tokens=2)
     rows, tokens = first_tokens(output)
     logits = reference.next_token_logits(model, prompts).double()[rows]
-    yield _follows(
+    yield follows(
+        "sampling",
         f"T={FIRST_TOKEN_TEMPERATURE}: first tokens follow softmax(logits / T)",
         [torch.log_softmax(logits / FIRST_TOKEN_TEMPERATURE, dim=-1)] if len(rows) else [],
         [tokens],
@@ -107,31 +151,6 @@ def check_sampling(ctx: RolloutContext) -> Iterator[Comparison]:
         " (the first token of each response alone: drawn differently from the tokens after it? "
         "the prefill's logits sampled without the temperature, or another position's logits)",
     )
-
-
-def _follows(
-    quantity: str, log_probs: list[torch.Tensor], sampled: list[torch.Tensor], limit: float, first: str
-) -> Comparison:
-    """The ``sampling`` comparison of tokens ``sampled`` against the distributions ``log_probs``."""
-    if not log_probs:
-        return Comparison("sampling", quantity, 0, False, "the rollout sampled no tokens")
-    test = log_prob_z(torch.cat(log_probs), torch.cat(sampled))
-    detail = (
-        f"mean log-prob of the {test.tokens} sampled tokens under the reference's softmax(logits / T) "
-        f"{test.mean_log_prob:.4f}, expected {test.expected_mean:.4f} (minus the mean entropy): "
-        f"z = {test.z:.2f} (|z| <= {limit:g})"
-    )
-    if test.z < -limit:
-        detail += (
-            "; the tokens are less likely than T makes them: sampled at a higher temperature (T ignored?)"
-            + first
-        )
-    elif test.z > limit:
-        detail += (
-            "; the tokens are more likely than T makes them: sampled at a lower temperature, or filtered "
-            "(a top-k or top-p applied although top_k=0, top_p=1)" + first
-        )
-    return Comparison("sampling", quantity, 0, abs(test.z) <= limit, detail, abs(test.z))
 
 
 def check_greedy(ctx: RolloutContext) -> Iterator[Comparison]:
@@ -181,7 +200,9 @@ def check_greedy(ctx: RolloutContext) -> Iterator[Comparison]:
         )
     yield tokens
     expected, mask = reference_log_probs(model, output, 0.0)
-    yield compare_log_probs(check, "rollout_log_probs (untempered)", output, expected, mask, "reference")
+    yield compare_log_probs(
+        check, "rollout_log_probs (untempered)", output, expected, mask, "reference", ctx.tolerance
+    )
     again = ctx.generate(prompts, seed=1, temperature=0.0)
     yield compare_tensors(
         check,
@@ -209,6 +230,7 @@ def check_prompt_lengths(ctx: RolloutContext) -> Iterator[Comparison]:
         expected,
         mask & longest,
         "reference",
+        ctx.tolerance,
     )
     yield compare_log_probs(
         "prompt_lengths",
@@ -217,6 +239,7 @@ def check_prompt_lengths(ctx: RolloutContext) -> Iterator[Comparison]:
         expected,
         mask & ~longest,
         "reference (each sample alone)",
+        ctx.tolerance,
     )
 
 
@@ -258,7 +281,7 @@ def check_n_samples(ctx: RolloutContext) -> Iterator[Comparison]:
         ),
     )
     expected, mask = reference_log_probs(ctx.reference(), output, 1.0)
-    yield compare_log_probs(check, "rollout_log_probs", output, expected, mask, "reference")
+    yield compare_log_probs(check, "rollout_log_probs", output, expected, mask, "reference", ctx.tolerance)
     yield _first_tokens_independent(ctx)
 
 
@@ -314,7 +337,7 @@ def check_seed(ctx: RolloutContext) -> Iterator[Comparison]:
     for key, tolerance in (
         (RESPONSES, BITWISE),
         (RESPONSE_MASK, BITWISE),
-        (ROLLOUT_LOG_PROBS, LOG_PROB_TOLERANCE),
+        (ROLLOUT_LOG_PROBS, ctx.tolerance),
     ):
         yield compare_tensors(
             check,
@@ -383,10 +406,30 @@ def check_filters(ctx: RolloutContext) -> Iterator[Comparison]:
         yield Comparison(
             check, f"{label}: sampled tokens are ones the filter keeps", 0, total > 0 and not outside, detail
         )
+        if ctx.capabilities.log_prob_semantics is LogProbSemantics.FILTERED:  # what the backend declares
+            yield compare_log_probs(
+                check,
+                f"{label}: rollout_log_probs (filtered, as declared)",
+                output,
+                filtered,
+                mask,
+                "reference",
+                ctx.tolerance,
+            )
+            continue
         comparison = compare_log_probs(
-            check, f"{label}: rollout_log_probs (unfiltered)", output, expected, mask, "reference"
+            check,
+            f"{label}: rollout_log_probs (unfiltered)",
+            output,
+            expected,
+            mask,
+            "reference",
+            ctx.tolerance,
         )
-        if not comparison.passed and compare_log_probs(check, "", output, filtered, mask, "").passed:
+        if (
+            not comparison.passed
+            and compare_log_probs(check, "", output, filtered, mask, "", ctx.tolerance).passed
+        ):
             comparison = attrs.evolve(
                 comparison,
                 detail=f"{comparison.detail}; they are the log-probs of the filtered, renormalised "
@@ -425,7 +468,8 @@ ROLLOUT_CHECKS: dict[str, RolloutCheck] = {
         RolloutCheck(
             "log_probs",
             check_log_probs,
-            "rollout_log_probs at T = 0.7 and 1.0 equal log_softmax(logits / T) of the HF model on each sample alone",
+            "rollout_log_probs at T = 0.7 and 1.0 equal log_softmax(logits / T) of the HF model on each sample "
+            "alone, within the declared log_prob_tolerance (the measured value is reported)",
         ),
         RolloutCheck(
             "sampling",
@@ -461,6 +505,48 @@ ROLLOUT_CHECKS: dict[str, RolloutCheck] = {
             "unfiltered log_softmax(logits / T)",
         ),
         RolloutCheck(
+            "requests",
+            check_requests,
+            "generate_request, many in flight at T = 0.7: responses end as they say, tokens follow "
+            "softmax(logits / T) with the reference's log-probs, and the same seed gives the same tokens",
+        ),
+        RolloutCheck(
+            "resume",
+            check_resume,
+            "a request resumed from a partial response keeps it and runs to max_new_tokens, its new tokens "
+            "drawn from the distribution given the prompt and the partial tokens",
+        ),
+        RolloutCheck(
+            "request_isolation",
+            check_request_isolation,
+            "requests with different sampling in flight together: each greedy, top-k, EOS and length setting "
+            "applies to its own request only",
+        ),
+        RolloutCheck(
+            "stopping",
+            check_stopping,
+            "an EOS on the last allowed token ends the response there (finish eos), max_new_tokens exactly, "
+            "an EOS id in the prompt stops nothing, max_new_tokens=1; in a call and as a request",
+        ),
+        RolloutCheck(
+            "abort_resume",
+            check_abort_resume,
+            "(abort_resume) an abort stops a request mid-generation with its tokens and log-probs; resumed, "
+            "it samples the uninterrupted distribution",
+        ),
+        RolloutCheck(
+            "prefix_caching",
+            check_prefix_caching,
+            "(prefix_caching) prompts sharing a long prefix, in one call and as requests twice over: every "
+            "log-prob is the reference's on that sample alone",
+        ),
+        RolloutCheck(
+            "sleep",
+            check_sleep,
+            "(sleep) asleep, the rollout refuses to generate or update naming wake_up(); awake again, it gives "
+            "the same greedy responses with the weights it had",
+        ),
+        RolloutCheck(
             "weight_sync",
             check_weight_sync,
             "after update_weights with the weights of a training step, then with every weight changed, "
@@ -472,6 +558,12 @@ ROLLOUT_CHECKS: dict[str, RolloutCheck] = {
             check_weight_refusals,
             "update_weights refuses an unknown name, a missing weight and a misshapen one with RolloutError "
             "naming it, and the rollout refuses to generate until a complete update succeeds",
+        ),
+        RolloutCheck(
+            "weight_buckets",
+            check_weight_buckets,
+            "update_weights_from_buckets takes the weights as verified buckets; a corrupt bucket, a missing one "
+            "and a truncated stream are refused naming it, and generate refuses until a complete stream arrives",
         ),
     )
 }

@@ -1,10 +1,12 @@
 """What every rollout conformance check works with: the kit's model (its logits scaled, so that
 temperature matters) and sampling setup, the tolerances, the rollout under test in a
-``RolloutContext``, its output read row by row, and the reference's log-probs of the same tokens.
+``RolloutContext`` (with the capabilities its descriptor declares), its output read row by row, and
+the reference's log-probs of the same tokens.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,7 +22,9 @@ from verl_core.data.batch import (
     RESPONSES,
     ROLLOUT_LOG_PROBS,
 )
+from verl_core.descriptors import LogProbSemantics, RolloutCapabilities
 from verl_core.rollout.base import BaseRollout, SamplingParams
+from verl_core.rollout.requests import RolloutRequest, RolloutResponse
 from verl_core.testing import reference
 from verl_core.testing.report import Comparison, Tolerance, compare_tensors
 from verl_core.testing.tiny import PAD_TOKEN_ID, TinyModelSpec
@@ -60,7 +64,8 @@ FILTER_TOP_P = 0.5
 # -- tolerances (fp32 on CPU; a correct rollout differs from the reference by ~1e-6) -----------------
 
 #: Log-probs of the sampled tokens against the reference: the engine kit's tolerance for the engine's
-#: own log-probs, so that rollout and engine agree within twice this.
+#: own log-probs, so that rollout and engine agree within twice this. A backend declaring a looser
+#: ``RolloutCapabilities.log_prob_tolerance`` is held to its own (``RolloutContext.tolerance``).
 LOG_PROB_TOLERANCE = Tolerance(atol=1e-5, rtol=1e-5)
 #: Greedy decoding: a token whose reference logit is within this of the largest counts as the argmax
 #: (a tie that float rounding may break either way). The smallest gap between the two most likely
@@ -118,13 +123,63 @@ def make_prompts(lengths: Sequence[int], seed: int, vocab_size: int = 128) -> li
 
 @attrs.define
 class RolloutContext:
-    """What every check needs: the rollout under test, its model and device, and the reference."""
+    """What every check needs: the rollout under test, what its descriptor declares
+    (``capabilities``), its model and device, and the reference."""
 
     backend: str
     rollout: BaseRollout
     model_dir: str
     device: str
+    capabilities: RolloutCapabilities = attrs.field(factory=RolloutCapabilities)
     _reference: torch.nn.Module | None = attrs.field(default=None, init=False, repr=False)
+
+    @property
+    def declared(self) -> Tolerance:
+        """The log-prob tolerance the backend declares: ``log_probs`` holds it to exactly that."""
+        tolerance = self.capabilities.log_prob_tolerance
+        return Tolerance(atol=tolerance, rtol=tolerance)
+
+    @property
+    def tolerance(self) -> Tolerance:
+        """The log-prob tolerance of every other check: the declared one, or the kit's where that is
+        looser (those checks test what is sampled and under which weights, not precision)."""
+        declared = self.capabilities.log_prob_tolerance
+        return self.declared if declared >= LOG_PROB_TOLERANCE.atol else LOG_PROB_TOLERANCE
+
+    def sampling(
+        self,
+        temperature: float = 1.0,
+        max_new_tokens: int = 12,
+        eos_token_ids: tuple[int, ...] = (EOS_TOKEN_ID,),
+        top_k: int = 0,
+        top_p: float = 1.0,
+    ) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=eos_token_ids,
+            pad_token_id=PAD_TOKEN_ID,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+        )
+
+    def requests(self, requests: Sequence[RolloutRequest]) -> list[RolloutResponse]:
+        """The rollout's ``generate_request`` for every request, all in flight together, in order."""
+
+        async def all_of() -> list[RolloutResponse]:
+            return list(await asyncio.gather(*(self.rollout.generate_request(r) for r in requests)))
+
+        responses = asyncio.run(all_of())
+        for request, response in zip(requests, responses, strict=True):
+            if not isinstance(response, RolloutResponse):
+                raise TypeError(
+                    f"generate_request returned {type(response).__name__}, not a verl_core.rollout.RolloutResponse"
+                )
+            if response.request_id != request.request_id:
+                raise ValueError(
+                    f"generate_request({request.request_id!r}) answered with request_id {response.request_id!r}"
+                )
+        return responses
 
     def reference(self) -> torch.nn.Module:
         """The reference model: the same weights as the rollout's, loaded by ``from_pretrained``."""
@@ -144,14 +199,7 @@ class RolloutContext:
     ) -> TensorDict:
         """The rollout's ``generate`` (by default top-k and top-p off), its result checked to have the
         keys the checks read."""
-        sampling = SamplingParams(
-            max_new_tokens=max_new_tokens,
-            eos_token_ids=eos_token_ids,
-            pad_token_id=PAD_TOKEN_ID,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-        )
+        sampling = self.sampling(temperature, max_new_tokens, eos_token_ids, top_k, top_p)
         output = self.rollout.generate([list(prompt) for prompt in prompts], sampling, seed)
         missing = [key for key in REQUIRED_KEYS if key not in output.keys()]
         if missing:
@@ -205,27 +253,56 @@ def first_tokens(output: TensorDict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference_log_probs(
-    model: torch.nn.Module, output: TensorDict, temperature: float
+    model: torch.nn.Module,
+    output: TensorDict,
+    temperature: float,
+    semantics: LogProbSemantics = LogProbSemantics.TEMPERED,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's log-probs of every response token of ``output`` (``[B, R]``, at the rollout's
     columns, zero elsewhere) at ``temperature`` (0: untempered, as for greedy decoding), and the
-    mask of the columns that hold a response token."""
+    mask of the columns that hold a response token. ``semantics`` other than the contract's: those a
+    backend declares (``declared_log_probs``)."""
     expected = torch.zeros(output[RESPONSES].shape, dtype=torch.float64)
     mask = torch.zeros(output[RESPONSES].shape, dtype=torch.bool)
-    scale = temperature if temperature > 0 else 1.0
     for index, row in enumerate(rows_of(output)):
         if not row.response or not row.prompt:
             continue
         logits = reference.response_logits(model, row.prompt, row.response).double()
-        log_probs = torch.log_softmax(logits / scale, dim=-1)
+        log_probs = declared_log_probs(logits, temperature, semantics, top_k, top_p)
         expected[index, row.columns] = log_probs.gather(-1, torch.tensor(row.response)[:, None])[:, 0]
         mask[index, row.columns] = True
     return expected, mask
 
 
+def declared_log_probs(
+    logits: torch.Tensor, temperature: float, semantics: LogProbSemantics, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """``[r, V]`` log-probs of ``logits`` ``[r, V]`` under ``semantics`` (``LogProbSemantics``): the
+    contract's ``log_softmax(logits / T)`` (untempered for greedy decoding), untempered ones (``raw``),
+    or the tempered distribution after top-k / top-p, renormalised (``filtered``)."""
+    from verl_core.rollout.sampling import filter_logits
+
+    if temperature == 0 or semantics is LogProbSemantics.RAW:
+        return torch.log_softmax(logits, dim=-1)
+    scaled = logits / temperature
+    if semantics is LogProbSemantics.FILTERED:
+        scaled = filter_logits(scaled, top_k, top_p)
+    return torch.log_softmax(scaled, dim=-1)
+
+
 def compare_log_probs(
-    check: str, quantity: str, output: TensorDict, expected: torch.Tensor, mask: torch.Tensor, against: str
+    check: str,
+    quantity: str,
+    output: TensorDict,
+    expected: torch.Tensor,
+    mask: torch.Tensor,
+    against: str,
+    tolerance: Tolerance = LOG_PROB_TOLERANCE,
 ) -> Comparison:
+    """The rollout's ``rollout_log_probs`` of ``output`` against ``expected`` where ``mask`` holds, within
+    ``tolerance`` (a check passes ``ctx.tolerance``)."""
     if not bool(mask.any()):  # a comparison of nothing would pass, and prove nothing
         return Comparison(check, quantity, 0, False, "no response token to compare: every response_mask is 0")
     return compare_tensors(
@@ -233,7 +310,7 @@ def compare_log_probs(
         quantity,
         output[ROLLOUT_LOG_PROBS],
         expected,
-        LOG_PROB_TOLERANCE,
+        tolerance,
         0,
         mask,
         against=against,
@@ -247,3 +324,37 @@ def passed(check: str, quantity: str, problems: list[str], fine: str) -> Compari
         return Comparison(check, quantity, 0, True, fine)
     shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
     return Comparison(check, quantity, 0, False, shown)
+
+
+def follows(
+    check: str,
+    quantity: str,
+    log_probs: list[torch.Tensor],
+    sampled: list[torch.Tensor],
+    limit: float,
+    hint: str,
+) -> Comparison:
+    """Whether the tokens ``sampled`` were drawn from the distributions ``log_probs`` (one row each):
+    ``|z|`` of ``rollout_statistics.log_prob_z`` within ``limit``; ``hint`` is added to a failure's
+    explanation."""
+    from verl_core.testing.rollout_statistics import log_prob_z
+
+    if not log_probs:
+        return Comparison(check, quantity, 0, False, "the rollout sampled no tokens")
+    test = log_prob_z(torch.cat(log_probs), torch.cat(sampled))
+    detail = (
+        f"mean log-prob of the {test.tokens} sampled tokens under the reference's softmax(logits / T) "
+        f"{test.mean_log_prob:.4f}, expected {test.expected_mean:.4f} (minus the mean entropy): "
+        f"z = {test.z:.2f} (|z| <= {limit:g})"
+    )
+    if test.z < -limit:
+        detail += (
+            "; the tokens are less likely than T makes them: sampled at a higher temperature (T ignored?)"
+            + hint
+        )
+    elif test.z > limit:
+        detail += (
+            "; the tokens are more likely than T makes them: sampled at a lower temperature, or filtered "
+            "(a top-k or top-p applied although top_k=0, top_p=1)" + hint
+        )
+    return Comparison(check, quantity, 0, abs(test.z) <= limit, detail, abs(test.z))

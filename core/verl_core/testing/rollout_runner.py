@@ -18,9 +18,12 @@ import traceback
 import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verl_core.testing.report import CheckOutcome, ConformanceReport, RankRecord, expected_failures, run_check
+
+if TYPE_CHECKING:
+    from verl_core.testing.tiny import TinyModelSpec
 
 
 def run_rollout_conformance(
@@ -34,6 +37,7 @@ def run_rollout_conformance(
     model_dir: str | os.PathLike | None = None,
     workdir: str | os.PathLike | None = None,
     expected_failed_checks: Mapping[str, str] | None = None,
+    model_spec: TinyModelSpec | None = None,
 ) -> ConformanceReport:
     """Run the rollout conformance checks of rollout backend ``backend`` in this process.
 
@@ -44,7 +48,9 @@ def run_rollout_conformance(
     mapping structured into it, or ``None`` for its defaults. ``checks`` selects checks by name
     (default: all of ``ROLLOUT_CHECKS``). ``device`` is where the rollout runs (the reference runs on
     the CPU). ``model_dir`` is a model written by ``save_rollout_model`` (to share one between runs);
-    by default one is built under ``workdir`` (kept for inspection), or in a temporary folder.
+    by default one is built under ``workdir`` (kept for inspection), or in a temporary folder, from
+    ``model_spec`` (default ``TinyModelSpec()``, whose heads have 8 dimensions; an inference engine whose
+    attention needs more, as vLLM's CPU backend needs 32 or more, passes a wider one).
     ``expected_failed_checks`` (``{check: reason}``) are the checks the backend knowingly fails,
     reported ``xfailed`` when they fail and ``failed`` when they pass, as for ``run_conformance``.
 
@@ -61,7 +67,7 @@ def run_rollout_conformance(
             f"unknown rollout conformance check(s) {unknown}; the checks are {list(ROLLOUT_CHECKS)}"
         )
     expected = expected_failures(expected_failed_checks, ROLLOUT_CHECKS)
-    rollout_class, options = resolve_rollout_backend(backend, options, plugins, autoload, device)
+    descriptor, rollout_class, options = resolve_rollout_backend(backend, options, plugins, autoload, device)
 
     devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
     with (
@@ -72,8 +78,10 @@ def run_rollout_conformance(
         if model_dir is None:
             from verl_core.testing.rollout_checks import save_rollout_model
 
-            model_dir = save_rollout_model(Path(workdir or scratch) / f"rollout-{backend}" / "model")
-        records, error = _run_checks(backend, rollout_class, options, str(model_dir), device, selected)
+            model_dir = save_rollout_model(
+                Path(workdir or scratch) / f"rollout-{backend}" / "model", model_spec
+            )
+        records, error = _run_checks(descriptor, rollout_class, options, str(model_dir), device, selected)
     outcomes = {
         name: CheckOutcome.merge(name, [record for record in records if record.check == name], 1)
         for name in selected
@@ -88,9 +96,9 @@ def resolve_rollout_backend(
     plugins: Sequence[str | types.ModuleType],
     autoload: bool | None,
     device: str,
-) -> tuple[type, Any]:
-    """``(rollout class, options instance)`` of ``backend``; raises the registry's or the config's
-    error (unknown backend, unknown option key), or ``ValueError`` for a device it does not list."""
+) -> tuple[Any, type, Any]:
+    """``(descriptor, rollout class, options instance)`` of ``backend``; raises the registry's or the
+    config's error (unknown backend, unknown option key), or ``ValueError`` for a device it does not list."""
     from verl_core.config import structure
     from verl_core.hookspecs import Kind
     from verl_core.plugins import Registry
@@ -111,11 +119,11 @@ def resolve_rollout_backend(
         )
     if isinstance(options, Mapping):
         options = structure(dict(options), entry.load("config"), "rollout.options", registry=registry)
-    return rollout_class, options
+    return entry.descriptor, rollout_class, options
 
 
 def _run_checks(
-    backend: str, rollout_class: type, options: Any, model_dir: str, device: str, selected: tuple[str, ...]
+    descriptor: Any, rollout_class: type, options: Any, model_dir: str, device: str, selected: tuple[str, ...]
 ) -> tuple[list[RankRecord], str | None]:
     from verl_core.config.engine import ModelConfig
     from verl_core.testing.rollout_checks import ROLLOUT_CHECKS, RolloutContext
@@ -125,7 +133,7 @@ def _run_checks(
         rollout.initialize()
     except Exception:
         return [], f"the rollout could not be built and initialised:\n{traceback.format_exc()}"
-    ctx = RolloutContext(backend, rollout, model_dir, device)
+    ctx = RolloutContext(descriptor.name, rollout, model_dir, device, descriptor.capabilities)
     return [run_check(ROLLOUT_CHECKS[name], ctx, 0) for name in selected], None
 
 

@@ -1,7 +1,9 @@
 """The rollout kit's weight checks: ``weight_sync`` (the weights an engine sends are the weights the
-rollout samples with, every one of them) and ``weight_refusals`` (what does not fit the model is
-refused, and a refused update leaves the rollout unusable until a complete one). Both replace the
-rollout's weights and put the original ones back; they run last.
+rollout samples with, every one of them), ``weight_refusals`` (what does not fit the model is
+refused, and a refused update leaves the rollout unusable until a complete one), and contract 2's
+``weight_buckets`` (the same through verified buckets: a corrupt, missing or truncated stream is
+refused) and ``sleep`` (sleep then wake keeps the weights). They replace the rollout's weights and put
+the original ones back; they run last.
 
 Weights are sent as an engine's ``get_per_tensor_param`` sends them (``send_weights``): a generator
 of full tensors under Hugging Face names, in state-dict order, on the rollout's device. Once
@@ -12,16 +14,18 @@ copy what it keeps.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import math
 from collections.abc import Iterator
 
+import attrs
 import torch
 
-from verl_core.data.batch import ROLLOUT_LOG_PROBS
+from verl_core.data.batch import RESPONSES, ROLLOUT_LOG_PROBS
 from verl_core.testing import reference
 from verl_core.testing.context import BASE_OPTIM
-from verl_core.testing.report import Comparison
+from verl_core.testing.report import BITWISE, CheckSkipped, Comparison, compare_tensors
 from verl_core.testing.rollout_context import (
     LOG_PROB_TOLERANCE,
     PROMPT_LENGTH,
@@ -70,7 +74,13 @@ def check_weight_sync(ctx: RolloutContext) -> Iterator[Comparison]:
                 f"(< {SYNC_MIN_CHANGE:g}), too little to tell new weights from old"
             )
         comparison = compare_log_probs(
-            check, f"after syncing {label}: rollout_log_probs", output, expected, mask, "synced reference"
+            check,
+            f"after syncing {label}: rollout_log_probs",
+            output,
+            expected,
+            mask,
+            "synced reference",
+            ctx.tolerance,
         )
         if weights is probe and comparison.passed:  # tokens drawn from the probe: a fair test of it
             _every_tensor_matters(probe, original, rows_of(output))
@@ -157,36 +167,55 @@ def check_weight_refusals(ctx: RolloutContext) -> Iterator[Comparison]:
             yield _refuses_to_generate(ctx, f"generate after refusing {label}", prompts)
         # What a rollout keeps of the tensors it was sent is weight_sync's to check, not this one's.
         send_weights(ctx, original, overwrite=False)
-    output = ctx.generate(prompts, seed=43)
-    expected, mask = reference_log_probs(original, output, 1.0)
-    yield compare_log_probs(
-        check, "after a complete update: rollout_log_probs", output, expected, mask, "original reference"
+    yield samples_with(
+        ctx, check, "after a complete update: rollout_log_probs", original, prompts, 43, "original reference"
     )
 
 
-def _refuses_to_generate(ctx: RolloutContext, quantity: str, prompts: list[list[int]]) -> Comparison:
+def _refuses_to_generate(
+    ctx: RolloutContext, quantity: str, prompts: list[list[int]], check: str = "weight_refusals"
+) -> Comparison:
+    """``generate`` must raise ``RolloutError`` now: after a refused update, or (``check`` ``sleep``) asleep."""
     from verl_core.errors import RolloutError
 
     try:
         ctx.generate(prompts, seed=43)
     except RolloutError as error:
-        return Comparison("weight_refusals", quantity, 0, True, f"refused with RolloutError: {error}")
+        return Comparison(check, quantity, 0, True, f"refused with RolloutError: {error}")
     except Exception as error:
         return Comparison(
-            "weight_refusals",
+            check,
             quantity,
             0,
             False,
             f"raised {type(error).__name__}: {error}; the contract raises verl_core.rollout.RolloutError",
         )
-    return Comparison(
-        "weight_refusals",
-        quantity,
-        0,
-        False,
-        "generated after a refused update, from weights that may be half-written: the contract leaves the "
-        "rollout unusable (generate raises RolloutError) until a complete update succeeds",
-    )
+    if check == "sleep":
+        why = (
+            "generated while asleep: the contract has generate raise RolloutError naming wake_up() until then"
+        )
+    else:
+        why = (
+            "generated after a refused update, from weights that may be half-written: the contract leaves the "
+            "rollout unusable (generate raises RolloutError) until a complete update succeeds"
+        )
+    return Comparison(check, quantity, 0, False, why)
+
+
+def samples_with(
+    ctx: RolloutContext,
+    check: str,
+    quantity: str,
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    seed: int,
+    against: str,
+) -> Comparison:
+    """``generate`` at T = 1 on ``prompts``: its log-probs must be ``model``'s (the weights the rollout
+    should sample with now), within ``ctx.tolerance``."""
+    output = ctx.generate(prompts, seed=seed)
+    expected, mask = reference_log_probs(model, output, 1.0)
+    return compare_log_probs(check, quantity, output, expected, mask, against, ctx.tolerance)
 
 
 def send_weights(ctx: RolloutContext, model: torch.nn.Module, overwrite: bool = True) -> None:
@@ -363,3 +392,186 @@ def _stale_tensors(
         if best[0] <= LOG_PROB_TOLERANCE.atol + LOG_PROB_TOLERANCE.rtol * float(actual.abs()[mask].max()):
             return chosen
     return []
+
+
+# -- contract 2: bucketed sync -------------------------------------------------------------------------
+
+#: ``weight_buckets``: the bucket size, small enough that the kit's model (105 KiB) travels in 13.
+KIT_BUCKET_BYTES = 8192
+
+
+def check_weight_buckets(ctx: RolloutContext) -> Iterator[Comparison]:
+    """``update_weights_from_buckets`` with the probe weights packed by ``weight_buckets`` into buckets of
+    ``KIT_BUCKET_BYTES``: the rollout samples with them, also once the kit has zeroed the buckets (a
+    sender reusing its buffer). Then the original weights' stream with one
+    defect each (a byte of bucket 1 flipped after its checksum was taken; bucket 2 left out; the final
+    bucket left out) must raise ``RolloutError`` naming the bucket, and ``generate`` must refuse until a
+    complete stream has arrived, after which the rollout samples with the original weights."""
+    from verl_core.errors import RolloutError
+    from verl_core.rollout.buckets import weight_buckets
+
+    check = "weight_buckets"
+    original = ctx.reference()
+    prompts = make_prompts([PROMPT_LENGTH] * 8, seed=120)
+
+    def stream(model: torch.nn.Module) -> list:
+        state = (
+            (name, tensor.detach().to(ctx.device, copy=True)) for name, tensor in model.state_dict().items()
+        )
+        return list(weight_buckets(state, KIT_BUCKET_BYTES))
+
+    probe_model = probe_weights(original)
+    probe = stream(probe_model)
+    ctx.rollout.update_weights_from_buckets(iter(probe))
+    # A sender may reuse its staging buffer for the next bucket (verl's does): a rollout copies what it keeps.
+    for bucket in probe:
+        bucket.buffer.zero_()
+    buckets = stream(original)
+    yield samples_with(
+        ctx,
+        check,
+        f"after {len(probe)} buckets of the probe weights: rollout_log_probs",
+        probe_model,
+        prompts,
+        53,
+        "probe reference",
+    )
+    corrupt = buckets[1].buffer.clone()
+    corrupt[len(corrupt) // 2] ^= 0x40
+    defects = {
+        "a corrupt bucket (a byte of bucket 1 flipped)": (
+            "bucket 1",
+            [buckets[0], attrs.evolve(buckets[1], buffer=corrupt), *buckets[2:]],
+        ),
+        "a missing bucket (bucket 2 left out)": ("bucket 2", [*buckets[:2], *buckets[3:]]),
+        "a truncated stream (the final bucket left out)": ("final", buckets[:-1]),
+    }
+    for label, (named, defective) in defects.items():
+        quantity = f"update_weights_from_buckets with {label}"
+        try:
+            ctx.rollout.update_weights_from_buckets(iter(defective))
+        except RolloutError as error:
+            names_it = named in str(error)
+            yield Comparison(
+                check,
+                quantity,
+                0,
+                names_it,
+                f"refused with RolloutError{'' if names_it else f', but the message does not say {named!r}'}: {error}",
+            )
+        except Exception as error:
+            yield Comparison(
+                check,
+                quantity,
+                0,
+                False,
+                f"raised {type(error).__name__}: {error}; the contract raises verl_core.rollout.RolloutError",
+            )
+        else:
+            yield Comparison(
+                check,
+                quantity,
+                0,
+                False,
+                "accepted without an error: a bucket stream is checked as it arrives (verl_core.rollout.buckets."
+                "unpack_buckets: the checksum, the index, the final bucket) and a defective one refused",
+            )
+        yield _refuses_to_generate(ctx, f"generate after {label}", prompts, check)
+    ctx.rollout.update_weights_from_buckets(iter(buckets))
+    yield samples_with(
+        ctx, check, "after a complete stream: rollout_log_probs", original, prompts, 53, "original reference"
+    )
+
+
+# -- contract 2: sleep ---------------------------------------------------------------------------------
+
+
+def check_sleep(ctx: RolloutContext) -> Iterator[Comparison]:
+    """After syncing the probe weights (so that waking up with the weights it was initialised with shows),
+    greedy responses; then ``sleep()``: ``generate``, ``generate_request`` and a weight update raise
+    ``RolloutError`` naming ``wake_up()``; then ``wake_up()``: the same greedy responses and log-probs as
+    before (compared with themselves, not the reference: which weights an update reaches is
+    ``weight_sync``'s to check). The original weights are synced back at the end."""
+    from verl_core.errors import RolloutError
+    from verl_core.rollout.requests import RolloutRequest
+
+    check = "sleep"
+    if not ctx.capabilities.sleep:
+        raise CheckSkipped(f"backend '{ctx.backend}' declares sleep=False: sleep() and wake_up() do nothing")
+    original = ctx.reference()
+    probe = probe_weights(original)
+    prompts = make_prompts([PROMPT_LENGTH] * 8, seed=121)
+    send_weights(ctx, probe, overwrite=False)  # what a rollout keeps of the tensors is weight_sync's to check
+    before = ctx.generate(prompts, seed=0, temperature=0.0, max_new_tokens=8)
+    ctx.rollout.sleep()
+    try:
+        yield _refuses_to_generate(ctx, "generate while asleep", prompts, check)
+
+        async def request() -> None:
+            await ctx.rollout.generate_request(
+                RolloutRequest(prompts[0], ctx.sampling(), request_id="kit-asleep")
+            )
+
+        for label, call in (
+            ("generate_request while asleep", lambda: asyncio.run(request())),
+            ("update_weights while asleep", lambda: send_weights(ctx, probe, overwrite=False)),
+        ):
+            try:
+                call()
+            except RolloutError as error:
+                names_it = "wake_up" in str(error)
+                yield Comparison(
+                    check,
+                    label,
+                    0,
+                    names_it,
+                    f"refused with RolloutError{'' if names_it else ' not naming wake_up()'}: {error}",
+                )
+            except Exception as error:
+                yield Comparison(
+                    check, label, 0, False, f"raised {type(error).__name__}: {error}, not RolloutError"
+                )
+            else:
+                yield Comparison(
+                    check,
+                    label,
+                    0,
+                    False,
+                    "accepted while asleep: the contract raises RolloutError naming wake_up()",
+                )
+    finally:
+        ctx.rollout.wake_up()
+    after = ctx.generate(prompts, seed=0, temperature=0.0, max_new_tokens=8)
+    tokens = compare_tensors(
+        check,
+        "after wake_up: the greedy responses of before",
+        after[RESPONSES],
+        before[RESPONSES],
+        BITWISE,
+        0,
+        against="before sleep()",
+        subject="after wake_up()",
+    )
+    yield tokens
+    if tokens.passed:
+        log_probs = compare_tensors(
+            check,
+            "after wake_up: the rollout_log_probs of before",
+            after[ROLLOUT_LOG_PROBS],
+            before[ROLLOUT_LOG_PROBS],
+            ctx.tolerance,
+            0,
+            against="before sleep()",
+            subject="after wake_up()",
+        )
+        if not log_probs.passed:
+            initial, mask = reference_log_probs(original, after, 0.0)
+            if compare_log_probs(check, "", after, initial, mask, "", ctx.tolerance).passed:
+                log_probs = attrs.evolve(
+                    log_probs,
+                    detail=f"{log_probs.detail}; they are the log-probs of the weights the rollout was "
+                    "initialised with: wake_up() reloads the checkpoint instead of the weights the rollout had "
+                    "when it slept",
+                )
+        yield log_probs
+    send_weights(ctx, original, overwrite=False)

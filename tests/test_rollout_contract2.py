@@ -115,6 +115,30 @@ def test_capabilities_are_checked_and_need_api_version_2() -> None:
     assert RolloutCapabilities(requests="serial", abort_resume=True).requests == "serial"
 
 
+def test_verl_core_plugins_lists_each_rollouts_api_version_and_capabilities(capsys, monkeypatch) -> None:
+    import json
+
+    from verl_core.cli import main
+    from verl_core.rollout.catalog import HF_CAPABILITIES
+
+    monkeypatch.setenv("VERL_CORE_DISABLE_PLUGIN_AUTOLOAD", "1")
+    assert main(["plugins", "--all", "--json"]) == 0
+    (hf,) = [row for row in json.loads(capsys.readouterr().out)["rollout_backends"] if row["name"] == "hf"]
+    assert hf["api_version"] == 2
+    assert hf["capabilities"] == {
+        name: list(value) if isinstance(value, tuple) else value
+        for name, value in attrs.asdict(HF_CAPABILITIES, recurse=False).items()
+    }
+    assert main(["plugins", "--all"]) == 0
+    table = capsys.readouterr().out
+    (line,) = [line for line in table.split("rollout_backends:")[1].splitlines() if line.startswith("hf ")]
+    assert (
+        " 2 " in line
+        and "requests=serial abort_resume prefix_caching sleep log_prob_semantics=tempered" in line
+    )
+    assert "sleep_frees_weights" not in line  # false: not listed
+
+
 class Float32OnlyPlugin:
     @hookimpl
     def verl_rollout_backends(self):

@@ -115,13 +115,12 @@ def test_capabilities_are_checked_and_need_api_version_2() -> None:
     assert RolloutCapabilities(requests="serial", abort_resume=True).requests == "serial"
 
 
-def test_verl_core_plugins_lists_each_rollouts_api_version_and_capabilities(capsys, monkeypatch) -> None:
+def test_verl_core_plugins_lists_each_rollouts_api_version_and_capabilities(capsys) -> None:
     import json
 
     from verl_core.cli import main
     from verl_core.rollout.catalog import HF_CAPABILITIES
 
-    monkeypatch.setenv("VERL_CORE_DISABLE_PLUGIN_AUTOLOAD", "1")
     assert main(["plugins", "--all", "--json"]) == 0
     (hf,) = [row for row in json.loads(capsys.readouterr().out)["rollout_backends"] if row["name"] == "hf"]
     assert hf["api_version"] == 2

@@ -308,8 +308,8 @@ class LogProbSemantics(Choice):
     #: ``log_softmax(logits)``, whatever the temperature (vLLM's default ``raw_logprobs``): the contract's
     #: only at T = 1 and for greedy decoding.
     RAW = "raw"
-    #: After temperature and top-k / top-p, renormalised over the tokens the filters keep: the contract's
-    #: only with the filters off.
+    #: After temperature and top-k / top-p, renormalised over the tokens the filters keep (vLLM's
+    #: ``processed_logprobs``): the contract's only with the filters off.
     FILTERED = "filtered"
 
 

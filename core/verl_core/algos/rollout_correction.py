@@ -138,11 +138,12 @@ def rollout_mismatch_metrics(
 class _ImportanceWeights:
     """Importance weights of a batch: ``weights`` (what the loss multiplies by, 0 off the mask), the
     ``raw`` ratios they come from (``r_t``, or the sequence's ``R`` on each of its tokens), the
-    ``level`` (``token`` or ``sequence``) and the ``bounds`` (masking with a ``lower`` bound,
-    truncation at ``upper`` without)."""
+    sequences' log-ratios ``log R`` unclamped (``[B, 1]``), the ``level`` (``token`` or ``sequence``)
+    and the ``bounds`` (masking with a ``lower`` bound, truncation at ``upper`` without)."""
 
     weights: torch.Tensor
     raw: torch.Tensor
+    sequence_log_ratio: torch.Tensor
     level: str
     bounds: Bounds
 
@@ -161,10 +162,11 @@ def _importance_weights(
     mask = response_mask.bool()
     with torch.no_grad():
         log_ratio = torch.where(mask, log_ratio.detach(), 0.0)
+        sequence_log_ratio = log_ratio.sum(dim=-1, keepdim=True)
         if level == "token":
             log_weights = _clamped(log_ratio)
         elif level == "sequence":
-            log_weights = _clamped(log_ratio.sum(dim=-1, keepdim=True)).expand_as(log_ratio)
+            log_weights = _clamped(sequence_log_ratio).expand_as(log_ratio)
         else:
             raise ValueError(f"rollout_is={level!r}: use 'token' or 'sequence'")
         raw = log_weights.exp()
@@ -173,7 +175,7 @@ def _importance_weights(
         else:
             weights = torch.where((raw >= bounds.lower) & (raw <= bounds.upper), raw, 0.0)
         weights = torch.where(mask, weights, 0.0)
-    return _ImportanceWeights(weights, raw, level, bounds)
+    return _ImportanceWeights(weights, raw, sequence_log_ratio, level, bounds)
 
 
 def _needs_rollout_log_probs(config: PolicyLossConfig, what: str) -> ValueError:
@@ -322,8 +324,10 @@ def _weight_metrics(weighted: _ImportanceWeights, mask: torch.Tensor) -> dict[st
     lower = bounds.lower if bounds.lower is not None else 1.0 / bounds.upper
     if weighted.level == "token":
         entries, high, low = mask, raw > bounds.upper, raw < lower
-    else:  # one ratio per sequence
-        entries, high, low = mask.any(dim=-1), raw[:, 0] > bounds.upper, raw[:, 0] < lower
+    else:  # one ratio per sequence, compared in log space and unclamped (as verl: its exact extremes)
+        entries, log_ratio = mask.any(dim=-1), weighted.sequence_log_ratio[:, 0]
+        high = log_ratio > math.log(bounds.upper)
+        low = log_ratio < (math.log(lower) if lower > 0 else -math.inf)
     metrics = {
         "rollout_is_mean": masked_mean(weights, mask),
         "rollout_is_eff_sample_size": _normalised_ess(weights.clamp(0.0, bounds.upper), mask),

@@ -49,7 +49,7 @@ from verl_core.config import (
     structure,
     unstructure,
 )
-from verl_core.config.algorithm import FilterGroupsConfig, LossAggMode
+from verl_core.config.algorithm import FilterGroupsConfig, LossAggMode, RolloutCorrectionConfig
 from verl_core.config.engine import DtypeName
 from verl_core.config.loading import fill_total_steps, parse_override
 from verl_core.config.validators import InvalidValue
@@ -853,6 +853,7 @@ def test_docs_list_every_key_with_its_default():
     sections = {
         "actor": ActorConfig,
         "actor.policy_loss": PolicyLossConfig,
+        "actor.policy_loss.rollout_correction": RolloutCorrectionConfig,
         "ref": RefConfig,
         "critic": CriticConfig,
         "critic.loss": CriticLossConfig,

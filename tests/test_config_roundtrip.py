@@ -40,7 +40,7 @@ from verl_core.config import (
     structure,
     unstructure,
 )
-from verl_core.config.algorithm import KL_PENALTIES, LossAggMode
+from verl_core.config.algorithm import KL_PENALTIES, LossAggMode, RolloutCorrectionConfig
 from verl_core.errors import ConfigError
 from verl_core.plugins import Kind, Registry
 
@@ -199,6 +199,22 @@ policy_losses = st.builds(
     kl_loss_type=st.sampled_from(KL_PENALTIES),
     rollout_is_cap=st.none() | floats(0.1, 10),
     extra=extras,
+    rollout_correction=st.one_of(
+        st.builds(
+            RolloutCorrectionConfig,
+            rollout_is=st.none() | st.sampled_from(["token", "sequence"]),
+            rollout_is_threshold=floats(0.1, 10) | st.sampled_from(["0.5_5.0", "0_3.0", "2"]),
+        ),
+        st.sampled_from(
+            [("seq_mean_k1", "0.999_1.001"), ("token_k3", 0.01), ("seq_sum_k1, seq_max_k2", 2.0)]
+        ).map(lambda rs: RolloutCorrectionConfig(rollout_rs=rs[0], rollout_rs_threshold=rs[1])),
+        st.just(RolloutCorrectionConfig(bypass_mode=True)),
+    ),
+).filter(  # the deprecated cap is rollout_is: token, so neither with rollout_is nor with bypass_mode
+    lambda loss: (
+        loss.rollout_is_cap is None
+        or (loss.rollout_correction.rollout_is is None and not loss.rollout_correction.bypass_mode)
+    )
 )
 algorithms = st.builds(
     AlgorithmConfig,

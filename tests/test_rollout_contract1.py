@@ -17,9 +17,9 @@ import warnings
 import pytest
 import torch
 
+from verl_core import RolloutCapabilities
 from verl_core.deprecation import VerlCoreDeprecationWarning
 from verl_core.plugins import Kind, Registry
-from verl_core.rollout import RolloutCapabilities
 from verl_core.testing import ROLLOUT_CHECKS, run_rollout_conformance
 
 pytestmark = pytest.mark.filterwarnings("error", "default::verl_core.deprecation.VerlCoreDeprecationWarning")

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from verl_core import RolloutBackend, hookimpl
+from verl_core import RolloutBackend, RolloutCapabilities, hookimpl
 from verl_core.config import ModelConfig, load_config
 from verl_core.data.batch import ROLLOUT_LOG_PROBS
 from verl_core.deprecation import VerlCoreRemovedIn04Warning
@@ -33,7 +33,6 @@ from verl_core.rollout import (
     BaseRollout,
     FinishReason,
     HFRollout,
-    RolloutCapabilities,
     RolloutRequest,
     RolloutResponse,
     SamplingParams,
@@ -108,7 +107,7 @@ def test_capabilities_are_checked_and_need_api_version_2() -> None:
             name="x", rollout="m:R", config="m:C", api_version=1, capabilities=RolloutCapabilities(sleep=True)
         )
     with pytest.raises(
-        TypeError, match=r"capabilities=\{'sleep': True\}: expected a verl_core\.rollout\.RolloutCapabilities"
+        TypeError, match=r"capabilities=\{'sleep': True\}: expected a verl_core\.RolloutCapabilities"
     ):
         RolloutBackend(name="x", rollout="m:R", config="m:C", api_version=2, capabilities={"sleep": True})
     # Strings are the members they name.

@@ -24,11 +24,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_core import RolloutBackend, hookimpl
+from verl_core import RolloutBackend, RolloutCapabilities, hookimpl
 from verl_core.data import ROLLOUT_LOG_PROBS
 from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
 from verl_core.errors import RolloutError, UnknownNameError
-from verl_core.rollout import FinishReason, RolloutCapabilities
+from verl_core.rollout import FinishReason
 from verl_core.rollout import hf as hf_rollout
 from verl_core.rollout.catalog import HF_CAPABILITIES
 from verl_core.rollout.config import HFRolloutConfig

@@ -10,7 +10,7 @@ import torch
 from fixtures.demo import build_small_demo, run_overrides
 
 from verl_core.config import load_config
-from verl_core.data.batch import OLD_LOG_PROBS, ROLLOUT_LOG_PROBS
+from verl_core.data.batch import OLD_LOG_PROBS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
 from verl_core.errors import ConfigError
 from verl_core.toolkit.checkpoint import MARKER_FILE
 from verl_core.trainer import checkpoints
@@ -223,6 +223,58 @@ def test_truncated_importance_sampling_recomputes_the_old_log_probs(demo, tmp_pa
             assert final["rollout/log_prob_diff_max"] < 1e-5, final
 
 
+def test_the_rollout_correction_runs_in_the_step_and_logs_its_metrics(demo, tmp_path) -> None:
+    # A bfloat16 rollout (its log-probs differ from the engine's by ~1e-3) with TRL's sequence masking
+    # and a geometric rejection tight enough to drop some sequences: the engine recomputes, the step
+    # logs the batch's metrics, and the rejected sequences leave the update's mask.
+    correction = "actor.policy_loss.rollout_correction"
+    changes = {
+        "rollout.dtype": "bfloat16",
+        f"{correction}.rollout_is": "sequence",
+        f"{correction}.rollout_is_threshold": "0_3.0",
+        f"{correction}.rollout_rs": "seq_mean_k1",
+        f"{correction}.rollout_rs_threshold": 1.0002,
+        "trainer.total_training_steps": 1,
+    }
+    trainer = trainer_for(demo, tmp_path / "corrected", **changes)
+    final = trainer.fit()
+    assert trainer.recompute_old_log_probs
+    for name in (
+        "k3_kl",
+        "log_ppl_diff",
+        "chi2_token",
+        "chi2_seq",
+        "ess_token",
+        "ess_seq",
+        "token_masked_fraction",
+    ):
+        assert f"rollout_corr/{name}" in final, name
+    assert 0 < final["rollout_corr/k3_kl"] < 1e-3 and 0 < final["rollout_corr/ess_seq"] <= 1
+    rows_kept = trainer.last_batch[RESPONSE_MASK].any(dim=-1)
+    assert 0 < final["rollout_corr/rollout_rs_seq_masked_fraction"] < 1
+    assert final["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(
+        1 - rows_kept.double().mean()
+    )
+
+    # Bypass: the rollout's log-probs are the old ones even over two mini-batches (no recompute); the
+    # metrics then come from the update's forward pass.
+    changes = {
+        f"{correction}.bypass_mode": "true",
+        "actor.ppo_mini_batch_size": 2,
+        "actor.engine.micro_batch.micro_batch_size": 2,
+        "trainer.total_training_steps": 1,
+    }
+    trainer = trainer_for(demo, tmp_path / "bypass", **changes)
+    calls = []
+    compute = trainer.actor.compute_log_probs
+    trainer.actor.compute_log_probs = lambda batch: calls.append(len(batch)) or compute(batch)
+    final = trainer.fit()
+    assert calls == [] and torch.equal(
+        trainer.last_batch[OLD_LOG_PROBS], trainer.last_batch[ROLLOUT_LOG_PROBS]
+    )
+    assert "rollout_corr/k3_kl" in final and "rollout_corr/token_masked_fraction" not in final
+
+
 @pytest.mark.parametrize(
     ("dtype", "recompute", "source"),
     [("bfloat16", False, "update"), ("bfloat16", True, "engine"), ("float32", False, "rollout")],
@@ -243,6 +295,8 @@ def test_the_old_log_probs_of_a_rollout_in_another_dtype_are_the_engines(
     assert trainer.recompute_old_log_probs is (source == "engine") and bool(calls) is (source == "engine")
     batch, logged = trainer.last_batch, metrics_lines(tmp_path)[-1]
     assert torch.equal(batch[OLD_LOG_PROBS], batch[ROLLOUT_LOG_PROBS]) is (source != "engine")
+    # The mismatch metrics whatever the source: the batch's, or the update's forward pass's.
+    assert (logged["rollout_corr/k3_kl"] > 1e-9) is (dtype == "bfloat16"), logged  # float32: ~1e-14
     if source == "rollout":
         assert not any(key.startswith("rollout/") for key in logged)
         return

@@ -9,13 +9,18 @@ one home) and the policy by which they change.
 from verl_core.descriptors import (
     ENGINE_API_VERSION,
     MIN_ENGINE_API_VERSION,
+    MIN_ROLLOUT_API_VERSION,
+    ROLLOUT_API_VERSION,
     AdvantageEstimator,
     EngineBackend,
     Environment,
+    LogProbSemantics,
     ModelRole,
     PolicyLoss,
+    RequestMode,
     RewardFunction,
     RolloutBackend,
+    RolloutCapabilities,
 )
 from verl_core.hookspecs import ENTRY_POINT_GROUP, hookimpl
 
@@ -25,12 +30,17 @@ __all__ = [
     "ENGINE_API_VERSION",
     "ENTRY_POINT_GROUP",
     "MIN_ENGINE_API_VERSION",
+    "MIN_ROLLOUT_API_VERSION",
+    "ROLLOUT_API_VERSION",
     "AdvantageEstimator",
     "EngineBackend",
     "Environment",
+    "LogProbSemantics",
     "ModelRole",
     "PolicyLoss",
+    "RequestMode",
     "RewardFunction",
     "RolloutBackend",
+    "RolloutCapabilities",
     "hookimpl",
 ]

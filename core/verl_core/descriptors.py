@@ -265,7 +265,8 @@ class PolicyLoss(_Function):
 
     Tensors are padded ``[batch, response_len]`` (one micro-batch); ``log_prob`` carries the
     gradient; ``rollout_log_probs`` (the rollout engine's log-probs, may be ``None``) feeds the
-    truncated importance weights enabled by ``config.rollout_is_cap``. ``config`` is the actor's
+    importance weights of ``config.rollout_correction`` (multiply the per-token loss by
+    ``verl_core.algos.rollout_correction.rollout_importance_weights``). ``config`` is the actor's
     ``policy_loss`` section (plugin options in ``config.extra``); ``counts`` are the step's global
     counts. ``loss`` is a scalar tensor, this micro-batch's share of the step's loss: aggregate the
     per-token loss with ``verl_core.algos.aggregation.agg_loss(loss_mat, response_mask,
@@ -424,7 +425,7 @@ class RolloutBackend:
         if not isinstance(self.capabilities, RolloutCapabilities):
             raise TypeError(
                 f"RolloutBackend(name={self.name!r}): capabilities={self.capabilities!r}: expected a "
-                "verl_core.rollout.RolloutCapabilities"
+                "verl_core.RolloutCapabilities"
             )
         if self.api_version is None:
             _warn_unstated(self, UNSTATED_ROLLOUT_API_VERSION_DEPRECATION, "rollout backend")

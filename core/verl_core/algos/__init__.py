@@ -11,6 +11,7 @@ _ADVANTAGE = "verl_core.algos.advantage"
 _POLICY_LOSS = "verl_core.algos.policy_loss"
 _AGGREGATION = "verl_core.algos.aggregation"
 _KL = "verl_core.algos.kl"
+_ROLLOUT_CORRECTION = "verl_core.algos.rollout_correction"
 
 _EXPORTS = {
     # advantage estimators
@@ -36,8 +37,13 @@ _EXPORTS = {
     "compute_policy_loss_cispo": _POLICY_LOSS,
     "compute_policy_loss_dro": _POLICY_LOSS,
     "compute_policy_loss_sapo": _POLICY_LOSS,
-    "rollout_importance_weights": _POLICY_LOSS,
     "rollout_log_prob_mismatch": _POLICY_LOSS,
+    # rollout correction: the rollout's mismatch with the trainer, measured and corrected
+    "RolloutCorrection": _ROLLOUT_CORRECTION,
+    "compute_rollout_correction": _ROLLOUT_CORRECTION,
+    "rollout_importance_weights": _ROLLOUT_CORRECTION,
+    "rollout_mismatch_metrics": _ROLLOUT_CORRECTION,
+    "rollout_rejection_mask": _ROLLOUT_CORRECTION,
     # value loss
     "compute_value_loss": "verl_core.algos.value_loss",
     # KL

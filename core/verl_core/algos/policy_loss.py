@@ -15,10 +15,12 @@ global ``counts``; ``metrics`` maps names to floats computed over this micro-bat
 (``actor/ppo_kl``: the k1 estimate of KL(old || new); ``actor/pg_clipfrac`` /
 ``actor/pg_clipfrac_lower``: fractions of tokens clipped, where the loss clips).
 
-With ``config.rollout_is_cap`` set, every loss here multiplies its per-token loss by the truncated
-importance weight ``min(exp(old_log_prob - rollout_log_probs), cap)`` (no gradient), correcting for
-the rollout engine sampling from a slightly different distribution than the trainer computes;
-``rollout_log_prob_mismatch`` measures how different (the trainer logs it whenever it recomputes).
+With importance weights on (``config.rollout_correction.rollout_is``, or the deprecated
+``config.rollout_is_cap``), every loss here multiplies its per-token loss by the weights of
+``verl_core.algos.rollout_correction.rollout_importance_weights`` (no gradient: ``pi_old / pi_rollout``
+per token or per sequence, truncated or masked), correcting for the rollout engine sampling from a
+slightly different distribution than the trainer computes; ``rollout_log_prob_mismatch`` and
+``rollout_correction.rollout_mismatch_metrics`` measure how different.
 
 Formulas and papers: docs/algorithms.md.
 """
@@ -30,12 +32,11 @@ from typing import Protocol
 import torch
 
 from verl_core.algos.aggregation import SEQ_MEAN_TOKEN_MEAN, agg_loss, check_loss_agg_mode, masked_mean
+from verl_core.algos.rollout_correction import MAX_LOG_RATIO, rollout_importance_weights
 from verl_core.config.algorithm import PolicyLossConfig
 from verl_core.data.batch import GlobalCounts
 from verl_core.deprecation import moved_names
 
-#: Log-ratios are clamped before ``exp`` so that a far off-policy token cannot overflow.
-MAX_LOG_RATIO = 20.0
 #: GSPO's sequence log-ratio is clamped from above before ``exp``.
 MAX_SEQ_LOG_RATIO = 10.0
 
@@ -68,35 +69,6 @@ def clip_bounds(config: PolicyLossConfig) -> tuple[float, float]:
 
 def _log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
     return (log_prob - old_log_prob).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-
-
-def rollout_importance_weights(
-    *,
-    old_log_prob: torch.Tensor,
-    rollout_log_probs: torch.Tensor | None,
-    response_mask: torch.Tensor,
-    config: PolicyLossConfig,
-) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-    """Truncated importance weights ``min(pi_old / pi_rollout, cap)`` (detached) and their metrics.
-
-    ``None`` when ``config.rollout_is_cap`` is ``None`` (disabled).
-    """
-    cap = config.rollout_is_cap
-    if cap is None:
-        return None, {}
-    if rollout_log_probs is None:
-        raise ValueError(
-            f"actor.policy_loss.rollout_is_cap={cap} needs the rollout's log-probs (batch key "
-            "'rollout_log_probs'): have the rollout return them, or set rollout_is_cap to null"
-        )
-    with torch.no_grad():
-        ratio = _log_ratio(old_log_prob, rollout_log_probs).exp()
-        weights = ratio.clamp(max=cap)
-    metrics = {
-        "actor/rollout_is_weight_mean": masked_mean(weights, response_mask),
-        "actor/rollout_is_clipfrac": masked_mean((ratio > cap).float(), response_mask),
-    }
-    return weights, metrics
 
 
 def rollout_log_prob_mismatch(

@@ -15,6 +15,7 @@ _EXPORTS = {
     "FilterGroupsConfig": "verl_core.config.algorithm",
     "KLControlConfig": "verl_core.config.algorithm",
     "PolicyLossConfig": "verl_core.config.algorithm",
+    "RolloutCorrectionConfig": "verl_core.config.algorithm",
     "EngineConfig": "verl_core.config.engine",
     "MicroBatchConfig": "verl_core.config.engine",
     "ModelConfig": "verl_core.config.engine",

@@ -314,21 +314,26 @@ class RunConfig:
         optimiser steps per batch and epoch:
 
         - ``ENGINE``: recomputed by the training engine before the update. Several updates per batch
-          (mini-batches, epochs) move the policy away from the rollout's before some of them; truncated
-          importance sampling (``rollout_is_cap``) weighs the engine's against the rollout's; a KL penalty
-          in the reward reads them before the update; or ``trainer.recompute_old_log_probs`` asks for it.
+          (mini-batches, epochs) move the policy away from the rollout's before some of them; a rollout
+          correction (``actor.policy_loss.rollout_correction``: importance weights or rejection) weighs
+          the engine's against the rollout's; a KL penalty in the reward reads them before the update;
+          or ``trainer.recompute_old_log_probs`` asks for it.
         - ``UPDATE``: one update, and a rollout in another dtype than the engine's (``rollout.dtype``):
           the update's own forward pass, detached (the policy being updated is the one that sampled;
           the rollout's log-probs differ from the engine's by rounding, which PPO's ratio would count as
           policy change and clip). As TRL and verl do on-policy; it saves the engine a forward pass.
-        - ``ROLLOUT``: one update, the same dtype: the rollout's own log-probs.
+        - ``ROLLOUT``: one update, the same dtype: the rollout's own log-probs. And always with
+          ``rollout_correction.bypass_mode``, which asks for exactly that (no forward pass for them).
         """
+        correction = self.actor.policy_loss.correction
+        if correction.bypass_mode:
+            return OldLogProbsSource.ROLLOUT
         other_dtype = self.rollout_model.dtype != self.actor.engine.model.dtype
         if (
             self.trainer.recompute_old_log_probs
             or num_mini_batches > 1
             or self.actor.ppo_epochs > 1
-            or self.actor.policy_loss.rollout_is_cap is not None
+            or correction.active
             or (self.algorithm.use_kl_in_reward and other_dtype)
         ):
             return OldLogProbsSource.ENGINE
@@ -349,6 +354,7 @@ class RunConfig:
             self._values_have_a_critic,
             self._rollout_options_fit_its_model,
             self._rollout_generates_in_its_dtype,
+            self._bypass_recomputes_nothing,
         )
 
     def _mini_batches_divide_the_batch(self) -> Iterator[tuple[str, str]]:
@@ -410,6 +416,14 @@ class RunConfig:
                 key,
                 f"rollout backend '{self.rollout.backend}' generates in {', '.join(dtypes)}, not {dtype}: "
                 f"set rollout.dtype to one of them (the rollout may differ from the actor's dtype)",
+            )
+
+    def _bypass_recomputes_nothing(self) -> Iterator[tuple[str, str]]:
+        if self.actor.policy_loss.rollout_correction.bypass_mode and self.trainer.recompute_old_log_probs:
+            yield (
+                "trainer.recompute_old_log_probs",
+                "contradicts actor.policy_loss.rollout_correction.bypass_mode, which takes the rollout's "
+                "log-probs as the old ones instead of recomputing them: set one of the two to false",
             )
 
     def ignored(self) -> Iterator[tuple[str, str]]:

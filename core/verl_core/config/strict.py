@@ -126,6 +126,33 @@ def _structure_str_or_list(value: Any, union: Any) -> Any:
     return _structure_list(value, list_type)
 
 
+#: Scalar types, in the order a union of them tries them: a bool is an int, so it goes to bool only.
+_SCALARS = (bool, int, float, str)
+
+
+def _is_scalar_union(tp: Any) -> bool:
+    """A union of scalar types, optionally with ``None`` (``float | str``: a cap, or ``"0.5_5.0"``)."""
+    members = [arg for arg in typing.get_args(tp) if arg is not type(None)] if _is_union(tp) else []
+    return len(members) > 1 and all(member in _SCALARS for member in members)
+
+
+def _structure_scalar_union(value: Any, union: Any) -> Any:
+    members = typing.get_args(union)
+    if value is None and type(None) in members:
+        return None
+    numbers = (int, float)
+    for member in _SCALARS:
+        fits = (
+            isinstance(value, member)
+            if member in (bool, str)
+            else isinstance(value, numbers if member is float else int) and not isinstance(value, bool)
+        )
+        if member in members and fits:
+            return converter.structure(value, member)
+    expected = " or ".join(member.__name__ for member in _SCALARS if member in members)
+    raise mismatch(expected + (" or null" if type(None) in members else ""), value)
+
+
 def _structure_items(values: Any, item_types: list[Any]) -> list[Any]:
     items, errors = [], []
     for index, (value, item_type) in enumerate(zip(values, item_types, strict=True)):
@@ -401,6 +428,7 @@ def register_generic_hooks() -> None:
     converter.register_structure_hook_func(lambda tp: typing.get_origin(tp) is Literal, _structure_literal)
     converter.register_structure_hook_func(_is_optional, _structure_optional)
     converter.register_structure_hook_func(_is_str_or_list, _structure_str_or_list)
+    converter.register_structure_hook_func(_is_scalar_union, _structure_scalar_union)
     converter.register_structure_hook_func(
         lambda tp: tp is list or typing.get_origin(tp) is list, _structure_list
     )

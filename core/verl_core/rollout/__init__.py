@@ -16,12 +16,7 @@ _EXPORTS = {
     "SamplingParams": "verl_core.rollout.params",
     "HFRollout": "verl_core.rollout.hf",
     "HFRolloutConfig": "verl_core.rollout.config",
-    # contract 2: its version, the capabilities a backend declares, requests, bucketed weight sync
-    "ROLLOUT_API_VERSION": "verl_core.descriptors",
-    "MIN_ROLLOUT_API_VERSION": "verl_core.descriptors",
-    "RolloutCapabilities": "verl_core.descriptors",
-    "RequestMode": "verl_core.descriptors",
-    "LogProbSemantics": "verl_core.descriptors",
+    # contract 2 (its version and capability descriptors are verl_core's): requests, bucketed weight sync
     "RolloutRequest": "verl_core.rollout.requests",
     "RolloutResponse": "verl_core.rollout.requests",
     "FinishReason": "verl_core.rollout.requests",

@@ -9,7 +9,7 @@ log-probability of each sampled token under ``softmax(logits / temperature)``, t
 training engine computes (before top-k / top-p filtering, which only restrict what is sampled).
 
 That is rollout contract 1 (``initialize``, ``update_weights``, ``generate``: the abstract methods).
-Contract 2 (``verl_core.rollout.ROLLOUT_API_VERSION``) adds, each with a default built on contract 1
+Contract 2 (``verl_core.ROLLOUT_API_VERSION``) adds, each with a default built on contract 1
 that a backend overrides where it can do better (and says so in its ``RolloutCapabilities``):
 ``generate_request`` and ``abort`` (one prompt at a time, asynchronously; ``verl_core.rollout.requests``),
 ``sleep`` and ``wake_up`` (free the rollout's memory while the trainer updates), and

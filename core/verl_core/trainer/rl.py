@@ -4,8 +4,9 @@ One training step, as ``train_step`` reads top to bottom: generate ``rollout.n``
 score them, the old log-probs (the rollout's own when provably exact: one mini-batch, one epoch, the
 engine's dtype; otherwise recomputed, and compared with the rollout's: ``rollout/*``), the
 reference log-probs (only with a KL term), the critic's values (only with a critic), KL in the reward
-(optional), advantages by the configured estimator, the critic's update, the actor's update, and the
-trained weights into the rollout. ``fit`` runs the steps, validates every ``test_freq`` steps, saves a
+(optional), the rollout correction (with recomputed old log-probs: the ``rollout_corr/*`` metrics, and
+the rejection and weights of ``actor.policy_loss.rollout_correction``), advantages by the configured
+estimator, the critic's update, the actor's update, and the trained weights into the rollout. ``fit`` runs the steps, validates every ``test_freq`` steps, saves a
 checkpoint every ``save_freq`` steps and resumes from the newest one.
 
 The roles are ``verl_core.workers.roles.Actor`` / ``Critic`` over any worker group (Ray actors, or in
@@ -32,6 +33,7 @@ from verl_core.agents.session import (
 from verl_core.algos.kl import apply_kl_penalty, build_kl_controller
 from verl_core.algos.policy_loss import rollout_log_prob_mismatch
 from verl_core.algos.registry import get_advantage_estimator
+from verl_core.algos.rollout_correction import compute_rollout_correction
 from verl_core.config.run import OldLogProbsSource, RunConfig
 from verl_core.data.batch import (
     ADVANTAGES,
@@ -190,6 +192,7 @@ class RLTrainer(Trainer):
         batch = collected.batch
         metrics = {"training/generation_rounds": float(collected.rounds), **collected.reward_metrics}
         batch[TOKEN_LEVEL_REWARDS] = outcome_rewards(batch[SCORES], batch[RESPONSE_MASK])
+        generated_mask = batch[RESPONSE_MASK]  # before a rollout correction rejects any token
         with timer.phase("old_log_probs"):
             if self.recompute_old_log_probs:
                 batch[OLD_LOG_PROBS] = self.actor.compute_log_probs(batch)
@@ -224,6 +227,20 @@ class RLTrainer(Trainer):
                 kl_penalty_name=self.config.algorithm.kl_penalty,
             )
             metrics |= kl_metrics
+        policy_loss = self.config.actor.policy_loss
+        if self.recompute_old_log_probs and (
+            ROLLOUT_LOG_PROBS in batch.keys() or policy_loss.correction.active
+        ):
+            # Once for the whole batch (the metrics are the batch's), where verl runs it: the rejected
+            # tokens leave every loss from here on; the policy loss applies the importance weights.
+            correction = compute_rollout_correction(
+                old_log_prob=batch[OLD_LOG_PROBS],
+                rollout_log_probs=batch.get(ROLLOUT_LOG_PROBS, None),
+                response_mask=batch[RESPONSE_MASK],
+                config=policy_loss,
+            )
+            batch[RESPONSE_MASK] = correction.response_mask
+            metrics |= correction.metrics
         with timer.phase("advantages"):
             batch[ADVANTAGES], batch[RETURNS] = self.estimator(
                 token_level_rewards=batch[TOKEN_LEVEL_REWARDS],
@@ -242,7 +259,7 @@ class RLTrainer(Trainer):
             self.actor.sync_weights()
         self.last_batch = batch  # the step's whole batch (responses, scores, advantages), for inspection
 
-        return metrics | timer.step_metrics(batch[RESPONSE_MASK], collected.epoch)
+        return metrics | timer.step_metrics(generated_mask, collected.epoch)
 
     def collect(self, step: int, timer: Timer) -> Collected:
         """The step's scored responses: ``rollout.n`` per prompt of the next ``data.train_batch_size``

@@ -22,6 +22,7 @@ from verl_core.algos.actor_loss import compute_actor_loss
 from verl_core.algos.aggregation import TOKEN_MEAN, agg_loss
 from verl_core.algos.policy_loss import rollout_log_prob_mismatch
 from verl_core.algos.registry import get_policy_loss
+from verl_core.algos.rollout_correction import rollout_mismatch_metrics
 from verl_core.algos.value_loss import compute_value_loss
 from verl_core.config.run import OldLogProbsSource, RunConfig
 from verl_core.data.batch import (
@@ -205,7 +206,7 @@ class ActorWorker:
         batch = batch.copy()
         batch.set_non_tensor(TEMPERATURE, self.config.rollout.temperature)
         batch.set_non_tensor(COMPUTE_ENTROPY, policy_config.entropy_coeff != 0)
-        in_update = self.config.old_log_probs_source(num_mini_batches) is OldLogProbsSource.UPDATE
+        source = self.config.old_log_probs_source(num_mini_batches)
 
         def loss_fn(
             output: dict[str, torch.Tensor], micro_batch: TensorDict, dp_group: Any
@@ -213,10 +214,18 @@ class ActorWorker:
             keys = micro_batch.keys()
             old_log_prob = micro_batch[OLD_LOG_PROBS]
             mismatch = {}
-            if in_update:  # on-policy, a rollout in another dtype: the engine's own, before this step
-                old_log_prob = output[LOG_PROBS].detach()
+            if source is OldLogProbsSource.UPDATE:  # on-policy, a rollout in another dtype: the engine's
+                old_log_prob = output[LOG_PROBS].detach()  # own, before this step
                 mismatch = rollout_log_prob_mismatch(
                     old_log_prob=old_log_prob,
+                    rollout_log_probs=micro_batch[ROLLOUT_LOG_PROBS],
+                    response_mask=micro_batch[RESPONSE_MASK],
+                )
+            if source is not OldLogProbsSource.ENGINE and ROLLOUT_LOG_PROBS in keys:
+                # The trainer has no engine log-probs to compare the rollout's with: this forward pass
+                # gives them (the policy that sampled, until the first optimiser step of the batch).
+                mismatch |= rollout_mismatch_metrics(
+                    old_log_prob=output[LOG_PROBS].detach(),
                     rollout_log_probs=micro_batch[ROLLOUT_LOG_PROBS],
                     response_mask=micro_batch[RESPONSE_MASK],
                 )

@@ -117,7 +117,7 @@ class Rank:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self.rollout = PromptFunctionRollout()
-        self.rollout_sleeps = self.rollout_asleep = False  # as ActorWorker's, for its generate
+        self.rollout_sleeps = False  # as ActorWorker's, for its generate
         self.forward_rows: list[int] = []
 
     def initialize(self) -> Topology:

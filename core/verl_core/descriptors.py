@@ -322,6 +322,16 @@ def _as_choice(choice: type[Choice]) -> Callable[[Any], Any]:
     return lambda value: choice(value) if value in tuple(choice) else value
 
 
+def _check_choice(choice: type[Choice]) -> Callable[[Any, attrs.Attribute, Any], None]:
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if not isinstance(value, choice):
+            raise ValueError(
+                f"{type(instance).__name__}.{attribute.name}={value!r}: expected one of {[str(m) for m in choice]}"
+            )
+
+    return check
+
+
 def _check_tolerance(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
         raise ValueError(
@@ -340,7 +350,9 @@ class RolloutCapabilities:
     """
 
     #: How ``generate_request`` is served (``RequestMode``).
-    requests: RequestMode = attrs.field(default=RequestMode.BATCH, converter=_as_choice(RequestMode))
+    requests: RequestMode = attrs.field(
+        default=RequestMode.BATCH, converter=_as_choice(RequestMode), validator=_check_choice(RequestMode)
+    )
     #: ``abort`` stops a request while it generates, at a decoding step's granularity, and the request
     #: returns the tokens and log-probs it has (finish reason ``aborted``); without it, an abort takes
     #: effect only on a request still waiting. Resuming (``RolloutRequest.resume_from``) works either way.
@@ -355,7 +367,9 @@ class RolloutCapabilities:
     sleep_frees_weights: bool = False
     #: The distribution of the log-probs it reports (``LogProbSemantics``); the contract's is ``tempered``.
     log_prob_semantics: LogProbSemantics = attrs.field(
-        default=LogProbSemantics.TEMPERED, converter=_as_choice(LogProbSemantics)
+        default=LogProbSemantics.TEMPERED,
+        converter=_as_choice(LogProbSemantics),
+        validator=_check_choice(LogProbSemantics),
     )
     #: The model dtypes it generates in (``rollout.dtype``, or the actor's): a config asking for another
     #: is refused before any worker starts.
@@ -368,12 +382,6 @@ class RolloutCapabilities:
     log_prob_tolerance: float = attrs.field(default=1e-5, validator=_check_tolerance)
 
     def __attrs_post_init__(self) -> None:
-        for name, choice in _CHOICE_FIELDS.items():
-            value = getattr(self, name)
-            if not isinstance(value, choice):
-                raise ValueError(
-                    f"RolloutCapabilities.{name}={value!r}: expected one of {[str(m) for m in choice]}"
-                )
         if self.sleep_frees_weights and not self.sleep:
             raise ValueError("RolloutCapabilities(sleep_frees_weights=True) needs sleep=True")
         if self.abort_resume and self.requests is RequestMode.BATCH:
@@ -382,8 +390,6 @@ class RolloutCapabilities:
                 "(requests='serial' or 'concurrent'): BaseRollout's default cannot stop a generate call"
             )
 
-
-_CHOICE_FIELDS: dict[str, type[Choice]] = {"requests": RequestMode, "log_prob_semantics": LogProbSemantics}
 
 #: Leaving ``RolloutBackend.api_version`` out is deprecated: it reads as 1, the contract before it was numbered.
 UNSTATED_ROLLOUT_API_VERSION_DEPRECATION = declare(

@@ -122,12 +122,9 @@ def entry_rows(registry: Registry, kind: str) -> list[dict[str, Any]]:
         if kind == Kind.ROLLOUT_BACKENDS:
             capabilities = entry.descriptor.capabilities
             row["api_version"] = entry.descriptor.api_version
+            # Choices are strings (JSON writes their values); the dtypes a list.
             row["capabilities"] = {
-                name: str(value)
-                if isinstance(value, str)
-                else list(value)
-                if isinstance(value, tuple)
-                else value
+                name: list(value) if isinstance(value, tuple) else value
                 for name, value in attrs.asdict(capabilities, recurse=False).items()
             }
         rows.append({column: row[column] for column in columns_of(kind)})

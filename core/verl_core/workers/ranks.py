@@ -90,13 +90,6 @@ def update_engine(
     return metrics
 
 
-def wake_rollout(worker: Any) -> None:
-    """Wake ``worker``'s rollout if it put it to sleep (``rollout.free_cache_engine``)."""
-    if worker.rollout_asleep:
-        worker.rollout.wake_up()
-        worker.rollout_asleep = False
-
-
 class ActorWorker:
     """One rank of the actor role. ``registry`` resolves backends (default: the installed plugins)."""
 
@@ -123,9 +116,8 @@ class ActorWorker:
             config_path="rollout",
         )
         #: Whether the rollout sleeps between its generations (``rollout.free_cache_engine``, and a
-        #: backend that declares sleep), and whether it is asleep now.
+        #: backend that declares sleep).
         self.rollout_sleeps = config.rollout.free_cache_engine and entry.descriptor.capabilities.sleep
-        self.rollout_asleep = False
 
     def initialize(self) -> Topology:
         self.policy.initialize()
@@ -146,13 +138,13 @@ class ActorWorker:
         ranks), without asking the rollout, whose contract is at least one prompt."""
         if not prompts:
             return None
-        wake_rollout(self)
+        if self.rollout_sleeps:  # waking a rollout that is awake does nothing (the contract)
+            self.rollout.wake_up()
         try:
             return self.rollout.generate(prompts, sampling, seed)
         finally:
             if self.rollout_sleeps:  # its cache is free while the actor computes and trains
                 self.rollout.sleep()
-                self.rollout_asleep = True
 
     def weights(self) -> dict[str, torch.Tensor] | None:
         """The policy's full weights on the CPU under Hugging Face names, on DP rank 0 (every rank
@@ -166,7 +158,8 @@ class ActorWorker:
         """The trained weights into the rollout (gathering them is a collective on sharded engines): in
         checked buckets of ``rollout.update_weights_bucket_megabytes``, or one tensor at a time with 0.
         A sleeping rollout is woken first."""
-        wake_rollout(self)
+        if self.rollout_sleeps:
+            self.rollout.wake_up()
         params = self.policy.get_per_tensor_param()
         megabytes = self.config.rollout.update_weights_bucket_megabytes
         if megabytes:

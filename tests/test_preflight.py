@@ -224,11 +224,15 @@ def test_train_reports_them_before_anything_starts(demo, tmp_path, capsys, monke
 
 VENDOR_PLUGIN = """
     import attrs
-    from verl_core import EngineBackend, hookimpl
+    from verl_core import EngineBackend, RolloutBackend, RolloutCapabilities, hookimpl
 
     @attrs.define
     class Options:
         heads_per_rank: int = 0
+
+    @attrs.define
+    class ServerOptions:
+        max_model_len: int = 64
 
     def backend(name, engine):
         return EngineBackend(name=name, engine=engine, config="vendor_plugin:Options", api_version=1)
@@ -240,6 +244,25 @@ VENDOR_PLUGIN = """
             backend("needs-apex", "vendor_apex_engine:Engine"),
             backend("checked", "vendor_engines:VendorEngine"),
             backend("raising", "vendor_engines:RaisingEngine"),
+        ]
+
+    def rollout(name, rollout_class, **fields):
+        return RolloutBackend(
+            name=name, rollout=rollout_class, config="vendor_plugin:ServerOptions", api_version=2,
+            capabilities=RolloutCapabilities(), **fields
+        )
+
+    @hookimpl
+    def verl_rollout_backends():
+        return [
+            rollout("served", "vendor_rollouts:ServedRollout"),
+            rollout("raising-rollout", "vendor_rollouts:RaisingRollout"),
+            rollout(
+                "needs-server",
+                "vendor_rollouts:ServedRollout",
+                requires=("vendor_inference_server",),
+                install='pip install "vendor-dist[server]"',
+            ),
         ]
 """
 VENDOR_ENGINES = """
@@ -262,6 +285,29 @@ VENDOR_ENGINES = """
         def check_before_start(cls, config, **_):
             return {}["a key the plugin's author expected"]
 """
+VENDOR_ROLLOUTS = """
+    from verl_core.rollout import HFRollout
+    from vendor_plugin import ServerOptions
+
+    class ServedRollout(HFRollout):
+        options_class = ServerOptions
+
+        @classmethod
+        def check_before_start(cls, config, *, model, model_config, world_size, batch_size, config_path):
+            longest = config.prompt_length + config.response_length
+            problems = []
+            if config.options.max_model_len < longest:
+                problems.append((f"{config_path}.served.max_model_len", f"{longest} tokens, {model.dtype}"))
+            sequences = batch_size * config.n // world_size
+            if sequences > 8:
+                problems.append((f"{config_path}.n", f"{sequences} sequences per rank, {model_config['num_attention_heads']} heads"))
+            return problems
+
+    class RaisingRollout(ServedRollout):
+        @classmethod
+        def check_before_start(cls, config, **_):
+            return {}["a key the plugin's author expected"]
+"""
 
 
 @pytest.fixture
@@ -272,7 +318,11 @@ def vendor(tmp_path):
     from verl_core.plugins import get_registry
 
     with fake_distributions(tmp_path) as dists:
-        modules = {"vendor_engines": VENDOR_ENGINES, "vendor_apex_engine": "import apex_kernels\n"}
+        modules = {
+            "vendor_engines": VENDOR_ENGINES,
+            "vendor_apex_engine": "import apex_kernels\n",
+            "vendor_rollouts": VENDOR_ROLLOUTS,
+        }
         dists.add("vendor-dist", "0.3", {"vendor": VENDOR_PLUGIN}, modules=modules)
         get_registry(refresh=True)
         yield dists
@@ -323,3 +373,49 @@ def test_a_plugin_checks_its_options_against_the_model_and_the_world_before_star
         "engine backend 'raising' from plugin 'vendor' (vendor-dist 0.3): RaisingEngine.check_before_start "
         'raised KeyError: "a key the plugin\'s author expected"; fix or upgrade the plugin'
     )
+
+
+def test_a_rollout_plugin_checks_its_options_against_the_model_and_the_batch_before_start(
+    demo, vendor, tmp_path, capsys
+) -> None:
+    """BaseRollout.check_before_start: prompt plus response against the backend's own limit, the
+    sequences a rank generates at once (4 prompts x 4 responses over 1 or 2 ranks), on the driver."""
+    served = {"rollout.backend": "served", "rollout.served.max_model_len": 16}
+    errors = config_errors(capsys, *run_overrides(demo, tmp_path, **served))
+    assert errors == {
+        "rollout.served.max_model_len": "22 tokens, float32",
+        "rollout.n": "16 sequences per rank, 4 heads",
+    }
+    fits = {**served, "rollout.served.max_model_len": 22, "trainer.workers": "ray", "trainer.world_size": 2}
+    assert main(["config", *run_overrides(demo, tmp_path, **fits)]) == 0
+    capsys.readouterr()
+    errors = config_errors(capsys, *run_overrides(demo, tmp_path, **{"rollout.backend": "raising-rollout"}))
+    assert errors == {
+        "rollout.backend": "rollout backend 'raising-rollout' from plugin 'vendor' (vendor-dist 0.3): "
+        'RaisingRollout.check_before_start raised KeyError: "a key the plugin\'s author expected"; fix or '
+        "upgrade the plugin"
+    }
+
+
+def test_a_rollout_whose_required_package_is_missing_is_unavailable_with_its_install_command(
+    demo, vendor, tmp_path, capsys
+) -> None:
+    """A backend's ``requires`` (vLLM ships per device, so its plugin cannot depend on it): listed
+    unavailable with the command, and refused at rollout.backend before anything starts."""
+    from verl_core.plugins import get_registry
+
+    expected = (
+        "rollout backend 'needs-server' from plugin 'vendor' (vendor-dist 0.3) needs the module "
+        "'vendor_inference_server', which is not installed. Fix: pip install \"vendor-dist[server]\""
+    )
+    assert main(["plugins", "--all"]) == 0
+    listing = capsys.readouterr().out
+    assert "unavailable" in listing and expected in listing, listing
+    errors = config_errors(capsys, *run_overrides(demo, tmp_path, **{"rollout.backend": "needs-server"}))
+    assert list(errors) == ["rollout.backend"] and errors["rollout.backend"].startswith(expected), errors
+    assert main(["train", *run_overrides(demo, tmp_path, **{"rollout.backend": "needs-server"})]) == 2
+    assert expected in capsys.readouterr().err
+    vendor.add("vendor-server", modules={"vendor_inference_server": ""})  # installed: usable now
+    get_registry(refresh=True)
+    usable = {"rollout.backend": "needs-server", "trainer.workers": "ray", "trainer.world_size": 2}
+    assert main(["config", *run_overrides(demo, tmp_path, **usable)]) == 0

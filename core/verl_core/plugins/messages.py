@@ -24,7 +24,8 @@ FIRST_PARTY: dict[str, dict[str, tuple[str, str]]] = {
     Kind.ENGINE_BACKENDS: {
         "fsdp": ("verl-fsdp-plugin", "fsdp"),
         "megatron": ("verl-megatron-plugin", "megatron"),
-    }
+    },
+    Kind.ROLLOUT_BACKENDS: {"vllm": ("verl-vllm-plugin", "vllm")},
 }
 
 
@@ -115,6 +116,12 @@ def unimportable(label: str, name: str, by: str, field: str, target: str, cause:
         f"{label} '{name}' from {by}: its {field} {target!r} cannot be imported ({cause}). Fix the "
         f"descriptor's {field}= import string ('package.module:attribute') in the plugin, or reinstall it"
     )
+
+
+def unavailable(label: str, name: str, by: str, module: str, install: str) -> str:
+    """A backend whose ``requires`` names a module that is not installed."""
+    fix = install or f"install the package that provides the module '{module}'"
+    return f"{label} '{name}' from {by} needs the module '{module}', which is not installed. Fix: {fix}"
 
 
 def first_party_hint(

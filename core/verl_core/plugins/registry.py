@@ -37,8 +37,9 @@ from verl_core.plugins.discovery import (
 
 #: ``ok``: resolvable; ``incompatible``: targets another engine (or rollout) API version; ``conflict``:
 #: another plugin provides the same name; ``overridden``: another plugin replaced it with ``override=True``;
-#: ``broken``: one of its import strings names a module that cannot be found.
-EntryStatus = Literal["ok", "incompatible", "conflict", "overridden", "broken"]
+#: ``broken``: one of its import strings names a module that cannot be found; ``unavailable``: a module it
+#: ``requires`` (a package its distribution cannot depend on, such as vLLM) is not installed.
+EntryStatus = Literal["ok", "incompatible", "conflict", "overridden", "broken", "unavailable"]
 
 #: Descriptor fields that hold import strings, checked (without importing) when the registry is built.
 IMPORT_FIELDS = ("engine", "config", "rollout", "function")
@@ -148,7 +149,12 @@ class Registry:
         if not group:
             raise self._unknown_name_error(self._kinds[Kind(kind)], name, where)
         entry = next(entry for entry in group if entry.status != "overridden")
-        errors = {"conflict": DuplicateNameError, "incompatible": ApiVersionError, "broken": PluginLoadError}
+        errors = {
+            "conflict": DuplicateNameError,
+            "incompatible": ApiVersionError,
+            "broken": PluginLoadError,
+            "unavailable": PluginLoadError,
+        }
         if entry.status in errors:
             raise errors[entry.status](entry.error)
         return entry
@@ -257,7 +263,8 @@ class Registry:
 def _resolve(kind: HookKind, group: list[Entry]) -> list[Entry]:
     """Statuses for the providers of one name: a single provider, or exactly one ``override=True``,
     wins; otherwise all conflict. The winner is incompatible if it targets an engine (rollout) API version
-    core does not speak, and broken if one of its import strings names a module that cannot be found."""
+    core does not speak, broken if one of its import strings names a module that cannot be found, and
+    unavailable if a module it ``requires`` is not installed."""
     overrides = [entry for entry in group if entry.descriptor.override]
     if len(group) > 1 and len(overrides) != 1:
         error = messages.conflict(
@@ -285,6 +292,8 @@ def _resolve(kind: HookKind, group: list[Entry]) -> list[Entry]:
         resolved[winner] = attrs.evolve(entry, status="incompatible", error=error)
     elif (problem := _missing_module(entry)) is not None:
         resolved[winner] = attrs.evolve(entry, status="broken", error=problem)
+    elif (problem := _missing_requirement(entry)) is not None:
+        resolved[winner] = attrs.evolve(entry, status="unavailable", error=problem)
     return resolved
 
 
@@ -306,6 +315,21 @@ def _missing_module(entry: Entry) -> str | None:
         if not found:
             return messages.unimportable(
                 entry.label, entry.name, entry.provider, field, target, f"no module named '{module}'"
+            )
+    return None
+
+
+def _missing_requirement(entry: Entry) -> str | None:
+    """Why ``entry`` cannot be used on this machine: the first module it ``requires`` that is not
+    installed, with the command that installs it; ``None`` when each is (found without importing it)."""
+    for module in getattr(entry.descriptor, "requires", ()):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except Exception:  # a parent package that raises on import: not usable either
+            found = False
+        if not found:
+            return messages.unavailable(
+                entry.label, entry.name, entry.provider, module, entry.descriptor.install
             )
     return None
 

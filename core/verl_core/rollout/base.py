@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
@@ -38,6 +39,9 @@ from verl_core.rollout.requests import (
     one_prompt_call,
     serve_in_turn,
 )
+
+if TYPE_CHECKING:
+    from verl_core.config.run import RolloutConfig
 
 
 class BaseRollout(abc.ABC):
@@ -63,6 +67,27 @@ class BaseRollout(abc.ABC):
                 f"{config_path}: expected options of type {cls.__module__}.{cls.__qualname__}, "
                 f"got {type(self.options).__module__}.{type(self.options).__qualname__}"
             )
+
+    @classmethod
+    def check_before_start(
+        cls,
+        config: RolloutConfig,
+        *,
+        model: ModelConfig,
+        model_config: Mapping[str, Any],
+        world_size: int,
+        batch_size: int,
+        config_path: str = "rollout",
+    ) -> list[tuple[str, str]]:
+        """The problems of ``config`` that the model and the job's size tell before any worker starts,
+        each ``(key, message)``: the key under ``config_path`` (``rollout.vllm.max_model_len``), the
+        message naming the fix. ``model`` is what the rollout loads (its folder, the dtype it generates
+        in), ``model_config`` that folder's ``config.json``; ``world_size`` is the number of ranks that
+        each hold a rollout and ``batch_size`` the prompts of a training step over all of them (each
+        gets ``config.n`` responses of at most ``config.response_length`` tokens). The run's checks
+        (``verl-core config``, ``train``) call it on the driver before any worker starts; a backend
+        that cannot load some architectures, or sizes a cache, overrides it. The default finds nothing."""
+        return []
 
     @abc.abstractmethod
     def initialize(self) -> None:

@@ -58,6 +58,7 @@ def check_run(
         lambda: _datasets(config, kind),
         lambda: _models(config, kind),
         lambda: _engines(config, registry),
+        lambda: _rollout(config, kind, registry),
         lambda: _adapters(config, registry),
         lambda: _checkpoint_dir(config, kind),
         lambda: _writable("trainer.run_dir", config.trainer.run_dir),
@@ -143,7 +144,7 @@ def _engines(config: RunConfig, registry: Registry) -> Iterator[tuple[str, str]]
     (``BaseEngine.check_before_start``: attention heads per sequence-parallel rank, say)."""
     from verl_core.engine.factory import load_engine_class
 
-    world_size = config.trainer.world_size if config.trainer.workers == "ray" else 1
+    world_size = _world_size(config)
     for where, engine in _engine_sections(config).items():
         key = f"{where}.backend"
         try:
@@ -175,6 +176,50 @@ def _engines(config: RunConfig, registry: Registry) -> Iterator[tuple[str, str]]
                 f"engine backend '{entry.name}' from {entry.provider}: {engine_class.__qualname__}."
                 f"check_before_start raised {type(error).__name__}: {error}; fix or upgrade the plugin",
             )
+
+
+def _rollout(config: RunConfig, kind: TrainerKind, registry: Registry) -> Iterator[tuple[str, str]]:
+    """The rollout backend of an RL run: its rollout class imported here on the driver (a backend whose
+    class does not import is refused at ``rollout.backend``), then asked what the model, the world size
+    and the batch tell about its section (``BaseRollout.check_before_start``: a maximum length below
+    prompt plus response, a cache too small for the batch, an architecture it cannot load)."""
+    if kind != "rl":
+        return
+    key = "rollout.backend"
+    try:
+        entry = registry.entry(Kind.ROLLOUT_BACKENDS, config.rollout.backend, where=key)
+    except VerlCoreError:  # an unknown or unusable backend: the config load reports it
+        return
+    try:
+        rollout_class = entry.load("rollout")
+    except VerlCoreError as error:  # naming the plugin, its distribution and the import string
+        yield key, str(error)
+        return
+    model_config = _model_config(config.rollout_model.path)
+    if model_config is None:  # the model folder's own problem: reported by the model checks
+        return
+    try:
+        yield from rollout_class.check_before_start(
+            config.rollout,
+            model=config.rollout_model,
+            model_config=model_config,
+            world_size=_world_size(config),
+            batch_size=config.data.train_batch_size,
+            config_path="rollout",
+        )
+    except ConfigError as error:
+        yield from error.errors
+    except Exception as error:  # a bug in the plugin's check: named, not a traceback
+        yield (
+            key,
+            f"rollout backend '{entry.name}' from {entry.provider}: {rollout_class.__qualname__}."
+            f"check_before_start raised {type(error).__name__}: {error}; fix or upgrade the plugin",
+        )
+
+
+def _world_size(config: RunConfig) -> int:
+    """The ranks each role's engines (and the actor's rollouts) run on."""
+    return config.trainer.world_size if config.trainer.workers == "ray" else 1
 
 
 def _model_config(path: str) -> dict[str, Any] | None:

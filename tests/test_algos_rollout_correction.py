@@ -11,11 +11,13 @@ import math
 import re
 import warnings
 
+import attrs
 import pytest
 import torch
 from hypothesis import Phase, assume, given, settings
 from hypothesis import strategies as st
 
+from verl_core import RolloutBackend, RolloutCapabilities, hookimpl
 from verl_core.algos import catalog
 from verl_core.algos.registry import get_policy_loss
 from verl_core.algos.rollout_correction import (
@@ -37,6 +39,7 @@ from verl_core.data.batch import GlobalCounts
 from verl_core.deprecation import DEPRECATIONS
 from verl_core.errors import ConfigError, ConfigWarning
 from verl_core.plugins import Registry
+from verl_core.rollout.catalog import ROLLOUT_BACKENDS
 
 F64 = torch.float64
 SETTINGS = settings(max_examples=60, deadline=None, database=None)
@@ -849,3 +852,57 @@ def test_bypass_and_a_forced_recompute_contradict_each_other(demo, tmp_path) -> 
     }
     with pytest.raises(ConfigError, match=r"trainer\.recompute_old_log_probs: contradicts .*bypass_mode"):
         load_config([], run_overrides(demo, tmp_path, **changes))
+
+
+class InferenceEnginePlugin:
+    """Backends whose log-probs are not the training engine's: the contract's distribution within a
+    looser bound (an inference engine's kernels), and the filtered distribution (vLLM's
+    ``processed_logprobs``), beside one that declares the built-in decoder's bound."""
+
+    @hookimpl
+    def verl_rollout_backends(self):
+        (hf,) = ROLLOUT_BACKENDS
+
+        def backend(name: str, **capabilities) -> RolloutBackend:
+            return attrs.evolve(hf, name=name, capabilities=RolloutCapabilities(**capabilities))
+
+        return [
+            backend("served", log_prob_tolerance=1e-4),
+            backend("filtered", log_prob_semantics="filtered"),
+            backend("exact", log_prob_tolerance=1e-5),
+        ]
+
+
+@pytest.mark.parametrize(
+    ("backend", "changes", "source"),
+    [
+        ("exact", {}, OldLogProbsSource.ROLLOUT),
+        ("served", {}, OldLogProbsSource.UPDATE),
+        ("filtered", {}, OldLogProbsSource.UPDATE),
+        # A KL penalty in the reward reads the old log-probs before the update.
+        ("served", {"algorithm.use_kl_in_reward": "true"}, OldLogProbsSource.ENGINE),
+        ("exact", {"algorithm.use_kl_in_reward": "true"}, OldLogProbsSource.ROLLOUT),
+        ("served", {"actor.policy_loss.rollout_correction.bypass_mode": "true"}, OldLogProbsSource.ROLLOUT),
+    ],
+)
+def test_an_inference_engine_rollout_is_not_taken_for_the_engine(demo, tmp_path, backend, changes, source):
+    """A rollout in the engine's dtype is still not the engine when its backend declares a looser
+    log-prob bound or other semantics: on-policy, the update's own forward pass gives the old log-probs."""
+    from fixtures.demo import run_overrides
+
+    registry = Registry.from_plugins([InferenceEnginePlugin()], autoload=True)
+    overrides = [*run_overrides(demo, tmp_path, **changes), f"rollout.backend={backend}"]
+    config = load_config([], overrides, registry=registry)
+    num_mini_batches = config.data.train_batch_size // config.actor.ppo_mini_batch_size
+    assert config.old_log_probs_source(num_mini_batches, registry) is source
+
+
+def test_a_rollout_backend_the_registry_does_not_know_cannot_vouch_for_its_log_probs(demo, tmp_path):
+    from fixtures.demo import run_overrides
+
+    registry = Registry.from_plugins([InferenceEnginePlugin()], autoload=True)
+    config = load_config([], [*run_overrides(demo, tmp_path), "rollout.backend=exact"], registry=registry)
+    num_mini_batches = config.data.train_batch_size // config.actor.ppo_mini_batch_size
+    assert config.old_log_probs_source(num_mini_batches, registry) is OldLogProbsSource.ROLLOUT
+    without = Registry.from_plugins([], autoload=False)
+    assert config.old_log_probs_source(num_mini_batches, without) is OldLogProbsSource.UPDATE

@@ -316,7 +316,9 @@ def test_an_update_that_takes_the_bfloat16_rollouts_log_probs_as_the_old_ones_is
 ) -> None:
     from verl_core.config.run import RunConfig
 
-    monkeypatch.setattr(RunConfig, "old_log_probs_source", lambda self, num_mini_batches: "rollout")
+    monkeypatch.setattr(
+        RunConfig, "old_log_probs_source", lambda self, num_mini_batches, registry=None: "rollout"
+    )
     trainer = trainer_for(demo, tmp_path, **{"rollout.dtype": "bfloat16", "trainer.total_training_steps": 1})
     trainer.fit()
     assert metrics_lines(tmp_path)[-1]["actor/ppo_kl"] != 0.0

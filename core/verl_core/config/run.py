@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextvars
 import typing
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
@@ -21,9 +21,12 @@ from verl_core.config.algorithm import AlgorithmConfig, CriticLossConfig, Policy
 from verl_core.config.engine import DtypeName, EngineConfig, ModelConfig
 from verl_core.config.names import current_registry, functions_file_problem, registered
 from verl_core.config.validators import InvalidValue, each_rule, in_range, non_empty, non_negative, positive
-from verl_core.descriptors import Choice
+from verl_core.descriptors import Choice, RolloutCapabilities
 from verl_core.errors import VerlCoreError
 from verl_core.hookspecs import Kind
+
+if TYPE_CHECKING:
+    from verl_core.plugins import Registry
 
 
 class OldLogProbsSource(Choice):
@@ -309,35 +312,59 @@ class RunConfig:
         dtype = self.rollout.dtype
         return model if dtype is None or dtype == model.dtype else attrs.evolve(model, dtype=dtype)
 
-    def old_log_probs_source(self, num_mini_batches: int) -> OldLogProbsSource:
+    def old_log_probs_source(
+        self, num_mini_batches: int, registry: Registry | None = None
+    ) -> OldLogProbsSource:
         """Where a step's old log-probs (PPO's ratio denominator) come from, with ``num_mini_batches``
-        optimiser steps per batch and epoch:
+        optimiser steps per batch and epoch (``registry`` resolves ``rollout.backend``; default: the
+        installed plugins):
 
         - ``ENGINE``: recomputed by the training engine before the update. Several updates per batch
           (mini-batches, epochs) move the policy away from the rollout's before some of them; a rollout
           correction (``actor.policy_loss.rollout_correction``: importance weights or rejection) weighs
           the engine's against the rollout's; a KL penalty in the reward reads them before the update;
           or ``trainer.recompute_old_log_probs`` asks for it.
-        - ``UPDATE``: one update, and a rollout in another dtype than the engine's (``rollout.dtype``):
-          the update's own forward pass, detached (the policy being updated is the one that sampled;
-          the rollout's log-probs differ from the engine's by rounding, which PPO's ratio would count as
-          policy change and clip). As TRL and verl do on-policy; it saves the engine a forward pass.
-        - ``ROLLOUT``: one update, the same dtype: the rollout's own log-probs. And always with
-          ``rollout_correction.bypass_mode``, which asks for exactly that (no forward pass for them).
+        - ``UPDATE``: one update, and a rollout whose log-probs are not the engine's
+          (``_rollout_matches_engine``: another dtype, ``rollout.dtype``, or an inference engine such as
+          vLLM): the update's own forward pass, detached (the policy being updated is the one that
+          sampled; the rollout's log-probs differ from the engine's by rounding, which PPO's ratio would
+          count as policy change and clip). As TRL and verl do on-policy; it saves a forward pass.
+        - ``ROLLOUT``: one update, a rollout that matches the engine: the rollout's own log-probs. And
+          always with ``rollout_correction.bypass_mode``, which asks for exactly that.
         """
         correction = self.actor.policy_loss.correction
         if correction.bypass_mode:
             return OldLogProbsSource.ROLLOUT
-        other_dtype = self.rollout_model.dtype != self.actor.engine.model.dtype
+        mismatch = not self._rollout_matches_engine(registry)
         if (
             self.trainer.recompute_old_log_probs
             or num_mini_batches > 1
             or self.actor.ppo_epochs > 1
             or correction.active
-            or (self.algorithm.use_kl_in_reward and other_dtype)
+            or (self.algorithm.use_kl_in_reward and mismatch)
         ):
             return OldLogProbsSource.ENGINE
-        return OldLogProbsSource.UPDATE if other_dtype else OldLogProbsSource.ROLLOUT
+        return OldLogProbsSource.UPDATE if mismatch else OldLogProbsSource.ROLLOUT
+
+    def _rollout_matches_engine(self, registry: Registry | None) -> bool:
+        """Whether the rollout's log-probs are the engine's up to float32 rounding: the engine's dtype,
+        and a backend that declares the contract's distribution within the built-in decoder's bound
+        (``RolloutCapabilities``' defaults). An inference engine declares a looser one (its own kernels,
+        batch-dependent reductions); a backend that cannot be looked up counts as not matching."""
+        from verl_core.plugins.registry import registry_or_installed
+
+        if self.rollout_model.dtype != self.actor.engine.model.dtype:
+            return False
+        try:
+            backend = registry_or_installed(registry).get(Kind.ROLLOUT_BACKENDS, self.rollout.backend)
+        except VerlCoreError:
+            return False
+        capabilities = backend.capabilities
+        exact = RolloutCapabilities()
+        return (
+            capabilities.log_prob_semantics is exact.log_prob_semantics
+            and capabilities.log_prob_tolerance <= exact.log_prob_tolerance
+        )
 
     @property
     def uses_kl(self) -> bool:

@@ -323,7 +323,9 @@ class RLTrainer(Trainer):
     def recompute_old_log_probs(self) -> bool:
         """Whether the training engine recomputes the old log-probs before the update
         (``RunConfig.old_log_probs_source`` says when and why)."""
-        return self.config.old_log_probs_source(self.num_mini_batches) is OldLogProbsSource.ENGINE
+        return (
+            self.config.old_log_probs_source(self.num_mini_batches, self.registry) is OldLogProbsSource.ENGINE
+        )
 
     def generate(
         self, rows: list[PromptRow], sampling: SamplingParams, seed: int, n: int | None = None

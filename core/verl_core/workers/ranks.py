@@ -98,6 +98,7 @@ class ActorWorker:
 
         registry = registry_or_installed(registry)
         self.config = config
+        self.registry = registry
         # Resolved once, in this worker's registry (an in-process run may pass its own).
         self.policy_loss = get_policy_loss(config.actor.policy_loss.loss_mode, registry)
         self.policy = build_engine(config.actor.engine, ModelRole.LM, registry, config_path="actor.engine")
@@ -199,7 +200,7 @@ class ActorWorker:
         batch = batch.copy()
         batch.set_non_tensor(TEMPERATURE, self.config.rollout.temperature)
         batch.set_non_tensor(COMPUTE_ENTROPY, policy_config.entropy_coeff != 0)
-        source = self.config.old_log_probs_source(num_mini_batches)
+        source = self.config.old_log_probs_source(num_mini_batches, self.registry)
 
         def loss_fn(
             output: dict[str, torch.Tensor], micro_batch: TensorDict, dp_group: Any

@@ -252,6 +252,34 @@ def test_override_values_are_yaml(key, value):
     assert override.path == key and override.value == value
 
 
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        # YAML 1.1 reads these as the integers 12, 42 and 90, and 012 as octal 10: YAML 1.2 does not.
+        ("1_2", "1_2"),
+        ("0_5_2", "0_5_2"),
+        ("1:30", "1:30"),
+        ("012", 12),
+        ("0x1f", 31),
+        ("0o17", 15),
+        ("-3", -3),
+        ("+7", 7),
+        ("0.5_2", "0.5_2"),
+        ("1e-5", 1e-5),
+    ],
+)
+def test_override_scalars_are_yaml_1_2(text, value):
+    override = parse_override(f"actor.policy_loss.rollout_correction.rollout_is_threshold={text}")
+    assert override.value == value and type(override.value) is type(value)
+    assert yaml.safe_load(dump_yaml(value)) == value  # what is written means the same to a YAML 1.1 reader
+
+
+def test_a_low_high_bound_written_without_quotes_is_the_bounds_it_reads_as():
+    threshold = parse_override("actor.policy_loss.rollout_correction.rollout_is_threshold=1_2").value
+    correction = structure({"rollout_is_threshold": threshold}, RolloutCorrectionConfig)
+    assert (correction.is_bounds.lower, correction.is_bounds.upper) == (1.0, 2.0)
+
+
 def test_structure_reports_paths_below_the_given_prefix():
     assert structure({"micro_batch_size": 3}, MicroBatchConfig) == MicroBatchConfig(micro_batch_size=3)
     with pytest.raises(ConfigError) as caught:

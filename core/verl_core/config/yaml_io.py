@@ -1,7 +1,9 @@
 """The YAML dialect of config files and overrides: PyYAML's safe loader with YAML 1.2 scalars.
 
-YAML 1.1 (PyYAML's default) reads ``1e-5`` as a string and ``on``/``no`` as booleans; here, as in
-YAML 1.2, ``1e-5`` is a float and only ``true``/``false`` are booleans. Duplicate keys are errors
+YAML 1.1 (PyYAML's default) reads ``1e-5`` as a string, ``on``/``no`` as booleans and ``1_2`` as the
+integer 12 (``0_5_2`` as 42, ``1:30`` as 90); here, as in YAML 1.2, ``1e-5`` is a float, only
+``true``/``false`` are booleans and integers are digits (``0x``/``0o`` prefixed too), so that a
+``"low_high"`` bound such as ``0.5_2`` or ``1_2`` stays the string it looks like. Duplicate keys are errors
 instead of silently keeping the last. What ``dump`` writes, ``load`` reads back unchanged, and so
 does a YAML 1.1 reader.
 """
@@ -17,29 +19,42 @@ from yaml.constructor import ConstructorError
 from verl_core.errors import ConfigError
 
 _BOOL = "tag:yaml.org,2002:bool"
+_INT = "tag:yaml.org,2002:int"
 _FLOAT = "tag:yaml.org,2002:float"
 _MERGE = "tag:yaml.org,2002:merge"
 
 
 def _yaml12_resolvers() -> dict[str, list[tuple[str, re.Pattern[str]]]]:
-    """PyYAML's implicit types, with YAML 1.2's booleans and floats."""
+    """PyYAML's implicit types, with YAML 1.2's booleans, integers and floats."""
     resolvers = {
-        first: [(tag, pattern) for tag, pattern in candidates if tag not in (_BOOL, _FLOAT)]
+        first: [(tag, pattern) for tag, pattern in candidates if tag not in (_BOOL, _INT, _FLOAT)]
         for first, candidates in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
     booleans = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+    integers = re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$")
     floats = re.compile(
         r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
     )
     for first in "tTfF":
         resolvers.setdefault(first, []).append((_BOOL, booleans))
+    for first in "-+0123456789":
+        resolvers.setdefault(first, []).append((_INT, integers))
     for first in "-+0123456789.":  # after the integer resolvers: "12" stays an int
         resolvers.setdefault(first, []).append((_FLOAT, floats))
     return resolvers
 
 
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """YAML 1.2's integers: ``012`` is twelve (YAML 1.1 reads an octal 10)."""
+    text = loader.construct_scalar(node)
+    if text.startswith(("0x", "0o")):
+        return int(text, 0)
+    return int(text, 10)
+
+
 class _Loader(yaml.SafeLoader):
     yaml_implicit_resolvers = _yaml12_resolvers()
+    yaml_constructors = {**yaml.SafeLoader.yaml_constructors, _INT: _construct_int}
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen = set()

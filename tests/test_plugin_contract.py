@@ -70,6 +70,28 @@ DEPRECATED_ENGINE = ENGINE.replace(
 MISMATCHED_ENGINE = ENGINE.replace("options_class = Options", "options_class = dict")
 
 
+ROLLOUT = """
+    from verl_core.rollout import HFRollout
+    from {package}.options import Options
+
+    class Rollout(HFRollout):
+        options_class = Options
+"""
+
+#: A rollout that answers before it has loaded a model.
+EAGER_ROLLOUT = """
+    from verl_core.rollout import BaseRollout
+    from {package}.options import Options
+
+    class Rollout(BaseRollout):
+        options_class = Options
+        initialize = update_weights = lambda self, *a: None
+
+        def generate(self, prompts, sampling, seed):
+            return None
+"""
+
+
 def plugin_module(backend: str, package: str, heavy: bool = False) -> str:
     imports = "import torch  # a heavy import where listing must stay light\n" if heavy else ""
     return imports + textwrap.dedent(f"""
@@ -84,24 +106,54 @@ def plugin_module(backend: str, package: str, heavy: bool = False) -> str:
     """)
 
 
+def rollout_plugin_module(backend: str, package: str, requires: tuple[str, ...]) -> str:
+    return textwrap.dedent(f"""
+        from verl_core import RolloutBackend, RolloutCapabilities, hookimpl
+
+        @hookimpl
+        def verl_rollout_backends():
+            return [RolloutBackend(
+                name={backend!r}, rollout="{package}.rollout:Rollout", config="{package}.options:Options",
+                api_version=2, capabilities=RolloutCapabilities(), description="a fake rollout",
+                requires={requires!r}, install="pip install {backend}-server",
+            )]
+    """)
+
+
 def install(
-    dists, backend: str, *, version="0.2", package_version="0.2", requires=(CORE,), engine=ENGINE, heavy=False
+    dists,
+    backend: str,
+    *,
+    version="0.2",
+    package_version="0.2",
+    requires=(CORE,),
+    engine=ENGINE,
+    heavy=False,
+    rollout=None,
+    rollout_requires=(),
 ):
-    """A fake distribution ``<backend>-dist`` with package ``<backend>_pkg`` providing one backend."""
+    """A fake distribution ``<backend>-dist`` with package ``<backend>_pkg`` providing one engine
+    backend, or with ``rollout`` (its module's source) one rollout backend."""
     package = f"{backend}_pkg"
     root = dists.site / package
     root.mkdir()
     (root / "__init__.py").write_text(f"__version__ = {package_version!r}\n")
     (root / "options.py").write_text(textwrap.dedent(OPTIONS))
-    (root / "engine.py").write_text(textwrap.dedent(engine.format(package=package)))
-    (root / "plugin.py").write_text(plugin_module(backend, package, heavy))
+    if rollout is None:
+        (root / "engine.py").write_text(textwrap.dedent(engine.format(package=package)))
+        (root / "plugin.py").write_text(plugin_module(backend, package, heavy))
+        examples = "options_examples"
+    else:
+        (root / "rollout.py").write_text(textwrap.dedent(rollout.format(package=package)))
+        (root / "plugin.py").write_text(rollout_plugin_module(backend, package, rollout_requires))
+        examples = "rollout_options_examples"
     dists.add(f"{backend}-dist", version, {backend: (f"{package}.plugin", None)}, requires=requires)
     return textwrap.dedent(f"""
         class Test_{backend}(PluginContract):
             distribution = "{backend}-dist"
             package = "{package}"
             entry_points = {{"{backend}": "{package}.plugin"}}
-            options_examples = {{"{backend}": {{"level": 3}}}}
+            {examples} = {{"{backend}": {{"level": 3}}}}
     """)
 
 
@@ -114,7 +166,22 @@ DEFECTS = {
     "mismatched": ("test_descriptors_are_valid", {"engine": MISMATCHED_ENGINE}),
     "eager": ("test_an_engine_refuses_to_compute_before_initialize", {"engine": EAGER_ENGINE}),
     "deprecated": ("test_uses_no_deprecated_api", {"engine": DEPRECATED_ENGINE}),
+    "served": (None, {"rollout": ROLLOUT}),
+    "eagerserved": ("test_a_rollout_refuses_to_generate_before_initialize", {"rollout": EAGER_ROLLOUT}),
+    # Its inference server is not installed: what needs the rollout class is skipped, saying why.
+    "unserved": (None, {"rollout": ROLLOUT, "rollout_requires": ("unserved_inference_server",)}),
 }
+
+#: The contract tests that check one kind of backend, skipped (with the reason) on a distribution of the other.
+ROLLOUT_ONLY_TESTS = ("test_a_rollout_refuses_to_generate_before_initialize",)
+ENGINE_ONLY_TESTS = ("test_an_engine_refuses_to_compute_before_initialize",)
+DOCS_TEST = "test_the_options_tables_document_every_option_with_its_default"
+#: What cannot be checked without the rollout's required package.
+NEEDS_THE_ROLLOUT = (
+    "test_descriptors_are_valid",
+    "test_options_structure_and_round_trip",
+    "test_a_rollout_refuses_to_generate_before_initialize",
+)
 
 
 #: The contract tests that start a fresh interpreter (``PluginContract.fresh_process``).
@@ -133,7 +200,7 @@ def outcomes(tmp_path_factory) -> dict:
         # The tests that read a fresh interpreter (one per class, seconds each) run where they are the
         # point: on the good distribution and on the defects they must catch.
         fresh = " or ".join(FRESH_PROCESS_TESTS)
-        selected = f"Test_good or Test_heavy or Test_deprecated or not ({fresh})"
+        selected = f"Test_good or Test_heavy or Test_deprecated or Test_served or not ({fresh})"
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(dists.site), os.environ.get("PYTHONPATH", "")]),
@@ -145,7 +212,7 @@ def outcomes(tmp_path_factory) -> dict:
                 "-m",
                 "pytest",
                 str(test_file),
-                "-q",
+                "-v",
                 "-rA",
                 "-p",
                 "no:cacheprovider",
@@ -160,10 +227,11 @@ def outcomes(tmp_path_factory) -> dict:
             cwd=tmp_path,
             timeout=600,
         )
+    # Verbose lines (``path::class::test STATUS``) name skipped tests too, which -rA's summary does not.
     found = dict(
         ((cls.removeprefix("Test_"), test), status)
-        for status, cls, test in re.findall(
-            r"^(PASSED|FAILED|ERROR|SKIPPED)\S* \S*::(\w+)::(\w+)", result.stdout, re.M
+        for cls, test, status in re.findall(
+            r"^\S*::(\w+)::(\w+) (PASSED|FAILED|ERROR|SKIPPED)", result.stdout, re.M
         )
     )
     assert found, result.stdout + result.stderr
@@ -172,15 +240,32 @@ def outcomes(tmp_path_factory) -> dict:
     return found
 
 
-def test_a_well_formed_distribution_passes_every_contract_test(outcomes) -> None:
-    good = {key[1]: status for key, status in outcomes.items() if key[0] == "good"}
+def statuses_of(outcomes: dict, backend: str) -> dict[str, str]:
+    """Test -> status on ``backend``'s distribution, without the tests of the kind it does not provide."""
+    other_kind = ENGINE_ONLY_TESTS if "rollout" in DEFECTS[backend][1] else ROLLOUT_ONLY_TESTS
+    statuses = {key[1]: status for key, status in outcomes.items() if key[0] == backend}
+    # None of the fake distributions names its docs (test_an_options_table_must_list_... checks them).
+    assert all(statuses.pop(test) == "SKIPPED" for test in (*other_kind, DOCS_TEST)), outcomes["report"]
+    return statuses
+
+
+@pytest.mark.parametrize("backend", ["good", "served"])
+def test_a_well_formed_distribution_passes_every_contract_test(outcomes, backend) -> None:
+    good = statuses_of(outcomes, backend)
     assert len(good) >= 8 and set(good.values()) == {"PASSED"}, outcomes["report"]
+
+
+def test_a_rollout_whose_package_is_missing_is_skipped_where_it_cannot_be_checked(outcomes) -> None:
+    statuses = statuses_of(outcomes, "unserved")
+    assert {test for test, status in statuses.items() if status == "SKIPPED"} == set(NEEDS_THE_ROLLOUT)
+    assert {status for test, status in statuses.items() if test not in NEEDS_THE_ROLLOUT} == {"PASSED"}
+    assert "needs the module 'unserved_inference_server', which is not installed" in outcomes["report"]
 
 
 @pytest.mark.parametrize("backend", [name for name, (test, _) in DEFECTS.items() if test])
 def test_each_defect_fails_exactly_its_test(outcomes, backend) -> None:
     expected_failure = DEFECTS[backend][0]
-    statuses = {key[1]: status for key, status in outcomes.items() if key[0] == backend}
+    statuses = statuses_of(outcomes, backend)
     assert statuses[expected_failure] == "FAILED", outcomes["report"]
     others = {test: status for test, status in statuses.items() if test != expected_failure}
     if backend == "mismatched":  # build_engine refuses the mismatch too, so the engine test cannot run

@@ -175,6 +175,26 @@ def test_make_splits_shares_out_short_strings_and_refuses_too_many() -> None:
         md.make_splits(md.TaskSpec(min_digits=3, max_digits=3, sft_size=600, train_size=400, val_size=64))
 
 
+def test_the_command_line_builds_wider_heads_and_refuses_shapes_that_do_not_divide(tmp_path, capsys) -> None:
+    """Heads of 32 dimensions (what vLLM's CPU attention needs), and head counts that do not divide
+    refused by the parser, naming the option, before anything is written."""
+    import json
+
+    assert (
+        md.main([str(tmp_path / "wide"), "--attention-heads", "2", "--kv-heads", "1", "--sft-size", "8"]) == 0
+    )
+    config = json.loads((tmp_path / "wide" / "model" / "config.json").read_text())
+    assert config["hidden_size"] // config["num_attention_heads"] == 32 and config["num_key_value_heads"] == 1
+    for arguments, message in [
+        (["--attention-heads", "3"], "must be a multiple of the attention heads (3): change --hidden-size"),
+        (["--kv-heads", "3"], "must be a multiple of the key/value heads (3): change --kv-heads"),
+    ]:
+        with pytest.raises(SystemExit):
+            md.main([str(tmp_path / "bad"), *arguments])
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_the_command_line_writes_smaller_tasks(tmp_path, capsys) -> None:
     sizes = [
         "--sft-size",

@@ -59,6 +59,18 @@ class ModelSpec:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 64
 
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} must be a multiple of the attention heads "
+                f"({self.num_attention_heads}): change --hidden-size or --attention-heads"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"the attention heads ({self.num_attention_heads}) must be a multiple of the key/value "
+                f"heads ({self.num_key_value_heads}): change --kv-heads"
+            )
+
 
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
@@ -310,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden-size", type=int, default=defaults_model.hidden_size)
     parser.add_argument("--intermediate-size", type=int, default=defaults_model.intermediate_size)
     parser.add_argument("--num-layers", type=int, default=defaults_model.num_hidden_layers)
+    # vLLM's CPU attention needs heads of 32 dimensions or more: --attention-heads 2 --kv-heads 1 with
+    # the default width (docs/backends/vllm.md).
+    parser.add_argument("--attention-heads", type=int, default=defaults_model.num_attention_heads)
+    parser.add_argument("--kv-heads", type=int, default=defaults_model.num_key_value_heads)
     args = parser.parse_args(argv)
     try:
         task = TaskSpec(
@@ -323,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             hidden_size=args.hidden_size,
             intermediate_size=args.intermediate_size,
             num_hidden_layers=args.num_layers,
+            num_attention_heads=args.attention_heads,
+            num_key_value_heads=args.kv_heads,
         )
         paths = build_demo(args.out_dir, seed=args.seed, task=task, model_spec=model_spec)
     except ValueError as error:

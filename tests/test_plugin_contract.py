@@ -191,7 +191,7 @@ FRESH_PROCESS_TESTS = ("test_listing_imports_nothing_heavy", "test_uses_no_depre
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict:
     """(class, test) -> PASSED/FAILED/ERROR/SKIPPED of one pytest run over every fake distribution,
-    and ``"report"`` -> the end of that run's output."""
+    ``"report"`` -> the end of that run's output and ``"skipped"`` -> its summary lines of skipped tests."""
     tmp_path = tmp_path_factory.mktemp("contract")
     with fake_distributions(tmp_path) as dists:
         classes = [install(dists, backend, **changes) for backend, (_, changes) in DEFECTS.items()]
@@ -237,6 +237,8 @@ def outcomes(tmp_path_factory) -> dict:
     assert found, result.stdout + result.stderr
     # Keep the run's report for the assertions' messages: it holds each failure's explanation.
     found["report"] = result.stdout[-6000:]
+    # -rA's summary lines of skipped tests, with their reasons (they can lie before the report's tail).
+    found["skipped"] = "\n".join(re.findall(r"^SKIPPED .*$", result.stdout, re.M))
     return found
 
 
@@ -259,7 +261,7 @@ def test_a_rollout_whose_package_is_missing_is_skipped_where_it_cannot_be_checke
     statuses = statuses_of(outcomes, "unserved")
     assert {test for test, status in statuses.items() if status == "SKIPPED"} == set(NEEDS_THE_ROLLOUT)
     assert {status for test, status in statuses.items() if test not in NEEDS_THE_ROLLOUT} == {"PASSED"}
-    assert "needs the module 'unserved_inference_server', which is not installed" in outcomes["report"]
+    assert "needs the module 'unserved_inference_server', which is not installed" in outcomes["skipped"]
 
 
 @pytest.mark.parametrize("backend", [name for name, (test, _) in DEFECTS.items() if test])

@@ -145,8 +145,8 @@ def test_a_killed_launcher_takes_its_ranks_and_what_they_started_along(tmp_path,
     assert_nothing_left(marker, tmp_path, range(1))
 
 
-def test_local_functions_are_refused() -> None:
+def test_local_functions_are_refused(tmp_path) -> None:
     def local(rank: Rank) -> None: ...
 
     with pytest.raises(ValueError, match="is a local function: spawn needs a module-level one"):
-        spawn(local, world_size=1, workdir="unused", timeout_s=1)
+        spawn(local, world_size=1, workdir=tmp_path / "unused", timeout_s=1)  # not a folder in the checkout

@@ -86,8 +86,10 @@ def tests(session: nox.Session) -> None:
     # It names them by their path from the repository root (tests.test_engine_loop), and ``python -m``
     # puts that root on sys.path, so ranks spawned by a test can import the test module too.
     paths = [] if paths_given else suites
-    # The full run lists its slowest tests: where CI time goes.
+    # The full run lists its slowest tests (where CI time goes) and runs on several workers
+    # (conftest.py says how it shares the tests out); a run of named paths stays in one process.
     durations = [] if paths_given else ["--durations=30"]
+    workers = [] if paths_given else _xdist_workers()
     # Every process the tests start carries this tag in its environment (children inherit it, also
     # those whose parent is gone): any still alive once pytest has exited was left behind.
     tag = uuid.uuid4().hex
@@ -99,6 +101,7 @@ def tests(session: nox.Session) -> None:
             "--import-mode=importlib",
             *paths,
             *durations,
+            *workers,
             *session.posargs,
             env={TEST_RUN_TAG: tag},
         )
@@ -108,6 +111,21 @@ def tests(session: nox.Session) -> None:
         session.error(
             f"{len(left)} process(es) started by the tests outlived them (killed now):\n" + "\n".join(left)
         )
+
+
+#: The most pytest-xdist workers of the full test run. Much of the suite waits (ranks starting, Ray,
+#: deliberate timeouts), so a worker per core keeps the cores busy; beyond four, the ranks each worker's
+#: tests spawn would overload a machine this suite's timeouts were not set for.
+MAX_TEST_WORKERS = 4
+
+
+def _xdist_workers() -> list[str]:
+    """pytest's options for the full run: a worker per core available, at most ``MAX_TEST_WORKERS``, each
+    unit of tests (conftest.py) whole on one worker and handed out in collection order (heaviest first).
+    None on one core. ``nox -s tests -- -n 0`` runs the suite in one process."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = min(cores, MAX_TEST_WORKERS)
+    return ["-n", str(workers), "--dist", "loadscope", "--no-loadscope-reorder"] if workers > 1 else []
 
 
 #: The environment variable that tags the processes of one ``tests`` session.

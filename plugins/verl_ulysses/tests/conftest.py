@@ -23,3 +23,10 @@ def ulysses_jobs() -> types.ModuleType:
 def demo(tmp_path_factory):
     """The demo's small assets, the ones core's tests use (tests/fixtures/session.py)."""
     return session.demo(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The session's local Ray cluster, shared with core's tests (tests/fixtures/session.py)."""
+    yield session.ray_cluster()
+    session.stop_ray_cluster()

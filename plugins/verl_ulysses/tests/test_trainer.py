@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from fixtures.demo import build_small_demo, run_overrides
+from fixtures.demo import run_overrides
 from transformers import AutoModelForCausalLM
 from verl_core.cli import main
 
@@ -29,20 +29,13 @@ def metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_grpo_steps_at_sp2_under_ray_equal_fsdp_on_one_rank(tmp_path) -> None:
-    demo = build_small_demo(tmp_path / "demo")
+def test_two_grpo_steps_at_sp2_under_ray_equal_fsdp_on_one_rank(demo, tmp_path, ray_cluster) -> None:
     common = {"actor.engine.optim.eps": 1e-4, "trainer.save_hf_model": "true"}
     assert main(["train", *run_overrides(demo, tmp_path / "fsdp", backend="fsdp", **common)]) == 0
-    import ray
-
-    try:
-        ulysses = {"actor.engine.ulysses.sp_size": 2, "trainer.workers": "ray", "trainer.world_size": 2}
-        assert (
-            main(["train", *run_overrides(demo, tmp_path / "sp2", backend="ulysses", **ulysses, **common)])
-            == 0
-        )
-    finally:
-        ray.shutdown()
+    ulysses = {"actor.engine.ulysses.sp_size": 2, "trainer.workers": "ray", "trainer.world_size": 2}
+    assert (
+        main(["train", *run_overrides(demo, tmp_path / "sp2", backend="ulysses", **ulysses, **common)]) == 0
+    )
 
     expected, actual = metrics(tmp_path / "fsdp" / "run"), metrics(tmp_path / "sp2" / "run")
     assert [line["step"] for line in actual] == [line["step"] for line in expected] == [1, 2]

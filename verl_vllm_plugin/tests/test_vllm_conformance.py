@@ -40,3 +40,17 @@ class TestVLLMConformance(RolloutConformance):
         declared = get_registry().get("rollout_backends", "vllm").capabilities.log_prob_tolerance
         print(f"\nvllm rollout log-probs: {measured.detail}")
         assert measured.passed and measured.max_abs_diff <= declared
+
+    def test_the_engine_shuts_down_once_the_kit_lets_the_rollout_go(self, rollout_report) -> None:
+        """Nothing keeps a rollout alive behind its user's back (vLLM keeps the traceback of an import it
+        caught, with every frame importing it: the rollout's, had it imported vLLM from its own call), so
+        its engine, and the process group vLLM made for it, are gone with it."""
+        import gc
+
+        import torch.distributed as dist
+
+        from verl_vllm import rollout
+
+        gc.collect()
+        assert not [other for other in rollout._ENGINES if other._shutdown.alive]
+        assert not dist.is_initialized()

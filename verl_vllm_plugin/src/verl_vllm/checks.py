@@ -174,6 +174,9 @@ def _by_vllm(
 
     if not cpu and not torch.cuda.is_available():
         return  # a GPU build on a machine without one (a CPU head node): its ranks check at start-up
+    from verl_vllm.engine import VLLM_MODULES, import_vllm
+
+    import_vllm((*VLLM_MODULES, "vllm.v1.attention.backends.cpu_attn") if cpu else VLLM_MODULES)
     from vllm.platforms import current_platform
 
     from verl_core.toolkit.model import DTYPES

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib
 import os
 import random
 import sys
@@ -40,6 +41,42 @@ from verl_core.errors import RolloutError
 ENGINE_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
 #: vLLM's own way of sizing a CPU engine's KV cache (GiB); it would override ``kv_cache_megabytes``.
 LEGACY_KV_CACHE_VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
+
+
+#: The vLLM modules the rollout uses, imported before anything else of vLLM (``import_vllm``).
+VLLM_MODULES = (
+    "vllm.platforms",
+    "vllm.engine.arg_utils",
+    "vllm.v1.engine.llm_engine",
+    "vllm.inputs",
+    "vllm.sampling_params",
+    "vllm.v1.sample.sampler",
+    "vllm.model_executor.model_loader.reload",
+)
+
+
+def import_vllm(modules: Sequence[str] = VLLM_MODULES) -> None:
+    """Import ``modules`` in a thread of their own. A vLLM module keeps the traceback of an import it
+    caught (``vllm.multimodal.media.audio``: torchcodec's ``ModuleNotFoundError``), and with it every
+    frame that was importing it, for good: imported from a rollout's own call, those frames would keep
+    the rollout, and its engine, alive. A thread's frames reach no caller's."""
+    missing = [name for name in modules if name not in sys.modules]
+    if not missing:
+        return
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            for name in missing:
+                importlib.import_module(name)
+        except BaseException as error:  # raised again in the caller's thread
+            failed.append(error)
+
+    thread = threading.Thread(target=load, name="verl-vllm-import")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
 
 
 def process_rank() -> int:

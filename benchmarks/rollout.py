@@ -389,6 +389,7 @@ def time_sides(sides: dict[str, Callable], sampling, rounds: int) -> dict[str, d
             started = time.perf_counter()
             tokens, longest = sides[name](sampling, SEED)
             seconds = time.perf_counter() - started
+            print(f"  ... {name}, round {number + 1}: {seconds:.1f} s", file=sys.stderr, flush=True)
             result["rounds_s"].append(seconds)
             if seconds == min(result["rounds_s"]):
                 result.update(seconds=seconds, tokens=tokens, longest=longest, tokens_per_s=tokens / seconds)

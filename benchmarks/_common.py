@@ -5,14 +5,17 @@
   override's would be (``verl_core.config``: unknown keys and wrong types refused, with the path);
 - a Qwen2 built from a config and written with ``save_pretrained`` (nothing is downloaded);
 - a policy-gradient batch in the batch contract, and engines built through the plugin registry;
-- the spawned ranks' results, written by rank 0 and read back by the parent.
+- the spawned ranks' results, written by rank 0 and read back by the parent;
+- this machine's limits (streaming read bandwidth, matrix-product throughput), its CPU and its load.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +189,63 @@ def read_result(workdir: str | Path) -> Any:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+# -- the machine -----------------------------------------------------------------------------------
+
+
+def best_seconds(run, rounds: int) -> float:
+    """The fastest of ``rounds`` calls of ``run`` after one warm-up call."""
+    run()  # warm-up
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def machine_limits(rounds: int) -> dict[str, float]:
+    """Streaming read bandwidth (the sum of a 1 GiB tensor) and matrix-product throughput (a 2048^3
+    product, float32 and bfloat16) at the current ``torch`` thread count, best of ``rounds``."""
+    data = torch.ones(256 * 1024 * 1024)  # 1 GiB of float32
+    bandwidth = data.numel() * 4 / best_seconds(data.sum, rounds)
+    del data
+    limits = {"stream_GBps": bandwidth / 1e9}
+    size = 2048
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+        limits[f"matmul_{str(dtype).removeprefix('torch.')}_GFLOPs"] = (
+            2 * size**3 / best_seconds(lambda a=a, b=b: a @ b, rounds) / 1e9
+        )
+    return limits
+
+
+#: CPU flags that decide which kernels the products run on (``/proc/cpuinfo`` names).
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+def machine_description() -> dict[str, object]:
+    """The CPU's model name, its cores, the kernel-relevant flags it has, and what torch reports it
+    computes with: the figures of a benchmark mean little without them (the project's machines differ)."""
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown CPU":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:  # not Linux
+        pass
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "flags": [flag for flag in CPU_FLAGS if flag in flags],
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def load_average() -> tuple[float, float, float]:
+    """``uptime``'s 1-, 5- and 15-minute load averages (other jobs on a shared machine skew timings)."""
+    return tuple(round(value, 2) for value in os.getloadavg())

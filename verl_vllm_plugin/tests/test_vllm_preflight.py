@@ -93,6 +93,21 @@ def test_what_vllms_cpu_backend_does_not_run(demo, wide_demo, tmp_path) -> None:
     )
 
 
+def test_a_cpu_engine_prefills_each_prompt_in_one_step(wide_demo, tmp_path) -> None:
+    """A seeded prompt prefilled over two steps killed vLLM's CPU engine (test_vllm_rollout.py has the
+    engine side); the demo's model has 64 positions, the engine's max_model_len by default."""
+    found = problems(wide_demo, tmp_path, **{"rollout.vllm.engine_kwargs.enable_chunked_prefill": True})
+    assert list(found) == ["rollout.vllm.engine_kwargs.enable_chunked_prefill"], found
+    assert "'CPU Generator does not use offset'" in found["rollout.vllm.engine_kwargs.enable_chunked_prefill"]
+    found = problems(wide_demo, tmp_path, **{"rollout.vllm.engine_kwargs.max_num_batched_tokens": 32})
+    assert found == {
+        "rollout.vllm.engine_kwargs.max_num_batched_tokens": "32 tokens a step cannot prefill a prompt of the "
+        "engine's max_model_len=64 in one step, as vLLM's CPU build must: set it >= 64, or leave it out"
+    }
+    budget = {"rollout.vllm.engine_kwargs.max_num_batched_tokens": 32, "rollout.vllm.max_model_len": 32}
+    assert problems(wide_demo, tmp_path, **budget) == {}
+
+
 def test_an_architecture_vllm_cannot_load(wide_demo, tmp_path) -> None:
     model = tmp_path / "model"
     shutil.copytree(wide_demo.model, model)

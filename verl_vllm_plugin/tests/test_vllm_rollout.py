@@ -212,6 +212,21 @@ def test_the_n_samples_of_a_prompt_share_its_prefill(colocated) -> None:
     assert [flight.cached_tokens for flight in flights] == [0, 32, 32, 32]
 
 
+def test_seeded_prompts_beyond_a_steps_token_budget_each_sample_as_alone(colocated) -> None:
+    """50 prompts of 45 tokens, more than the 2048 a step prefills: vLLM's default split one prompt's
+    prefill over two steps and its CPU engine died ('CPU Generator does not use offset'). The rollout
+    prefills each prompt in one step (``CPU_ENGINE_DEFAULTS``): the rest wait, and sample what they
+    sample alone."""
+    prompts = [[(7 * i + j) % 90 + 1 for j in range(45)] for i in range(50)]
+    sampling = SamplingParams(max_new_tokens=3, eos_token_ids=(), pad_token_id=0)
+    together = requests(colocated.rollout, prompts, sampling, seed=100)
+    assert all(len(response.token_ids) == 3 for response in together)
+    for i in (0, 45, 49):
+        alone = requests(colocated.rollout, prompts[i : i + 1], sampling, seed=100 + i)[0]
+        assert alone.token_ids == together[i].token_ids
+        assert alone.log_probs == pytest.approx(together[i].log_probs, abs=1e-5)  # other batch shapes
+
+
 def test_asleep_it_refuses_and_awake_it_has_its_weights(colocated) -> None:
     """The kit's sleep check, which it skips for vLLM's CPU build (no sleep mode: declared sleep=False):
     the contract's refusals naming wake_up() and the weights kept hold there too."""

@@ -36,7 +36,8 @@ What it asserts, each as its own test:
 - an engine (a rollout) built but not initialised refuses to compute (to generate), naming
   ``initialize()``;
 - with ``options_docs``: each backend's (engine or rollout) documentation has an options table (rows of
-  ``| `name` | `default` | meaning |``) listing every option of its options class with its default.
+  ``| `name` | `default` | meaning |``, under an ``## Options`` heading where the page has one) listing
+  every option of its options class with its default.
 """
 
 from __future__ import annotations
@@ -284,10 +285,20 @@ class PluginContract:
             pytest.skip("no options_docs: set options_docs = {'<backend>': '<path of its options table>'}")
         for name, path in self.options_docs.items():
             options_class = _options_class(registry, name)
+            text = Path(path).read_text()
+            # Under an "## Options" heading where there is one: the other tables of the page are not it.
+            section = re.search(r"^## Options.*?(?=^## |\Z)", text, flags=re.MULTILINE | re.DOTALL)
             rows = dict(
-                re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", Path(path).read_text(), flags=re.MULTILINE)
+                re.findall(
+                    r"^\| `(\w+)` \| `([^`]*)` \|", section[0] if section else text, flags=re.MULTILINE
+                )
             )
-            defaults = {field.name: field.default for field in attrs.fields(options_class)}
+            defaults = {
+                field.name: field.default.factory()
+                if isinstance(field.default, attrs.Factory) and not field.default.takes_self
+                else field.default
+                for field in attrs.fields(options_class)
+            }
             assert sorted(rows) == sorted(defaults), (
                 f"{path}: the options table lists {sorted(rows)}, {options_class.__qualname__} has {sorted(defaults)}"
             )

@@ -19,7 +19,7 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from verl_vllm.config import DEFAULT_CPU_KV_CACHE_MEGABYTES, VLLMRolloutConfig
+from verl_vllm.config import DEFAULT_CPU_KV_CACHE_MEGABYTES, VLLMRolloutConfig, engine_kwargs_for
 from verl_vllm.plugin import cpu_build
 
 #: vLLM's default tokens per KV cache block, on a CPU and on a GPU.
@@ -62,6 +62,7 @@ def problems_before_start(
         *_lengths(options, key, config_path, longest, positions),
         *_parallelism(options, key, cpu, world_size),
         *_kv_cache(options, key, cpu, text, model.dtype, config, world_size, batch_size, longest, block),
+        *(_cpu_prefill(options, key, options.max_model_len or positions or longest) if cpu else ()),
     ]
     if cpu and block % CPU_BLOCK_MULTIPLE:
         problems.append(
@@ -99,6 +100,25 @@ def _lengths(
             f"{config_path}.response_length",
             f"{wanted}, more than the model's max_position_embeddings={positions} (config.json), the longest "
             f"sequence vLLM serves for it: shorten {config_path}.prompt_length or {config_path}.response_length",
+        )
+
+
+def _cpu_prefill(options: VLLMRolloutConfig, key: str, max_model_len: int) -> Iterator[tuple[str, str]]:
+    """A CPU engine prefills each prompt in one step (``verl_vllm.config.CPU_ENGINE_DEFAULTS``)."""
+    kwargs = options.engine_kwargs
+    if kwargs.get("enable_chunked_prefill"):
+        yield (
+            f"{key}.engine_kwargs.enable_chunked_prefill",
+            "vLLM's CPU build dies on a seeded request whose prompt is prefilled over several steps (its "
+            "sampler rewinds the request's generator: 'CPU Generator does not use offset'); leave it out: "
+            "the rollout prefills each prompt in one step",
+        )
+    budget = kwargs.get("max_num_batched_tokens")
+    if isinstance(budget, int) and budget < max_model_len:
+        yield (
+            f"{key}.engine_kwargs.max_num_batched_tokens",
+            f"{budget} tokens a step cannot prefill a prompt of the engine's max_model_len={max_model_len} in "
+            f"one step, as vLLM's CPU build must: set it >= {max_model_len}, or leave it out",
         )
 
 
@@ -208,11 +228,11 @@ def _by_vllm(
         except ValueError as error:
             yield dtype_key, f"vLLM refuses {model.dtype} on this GPU: {error}"
             return
-    yield from _engine_config(options, key, config_path, model, min(longest, positions or longest))
+    yield from _engine_config(options, key, config_path, cpu, model, min(longest, positions or longest))
 
 
 def _engine_config(
-    options: VLLMRolloutConfig, key: str, config_path: str, model: Any, max_model_len: int
+    options: VLLMRolloutConfig, key: str, config_path: str, cpu: bool, model: Any, max_model_len: int
 ) -> Iterator[tuple[str, str]]:
     """vLLM's own resolution of the engine's config: the model's architecture among them."""
     import torch
@@ -229,7 +249,7 @@ def _engine_config(
             skip_tokenizer_init=True,
             max_model_len=options.max_model_len or max_model_len,
             enforce_eager=True,
-            **options.engine_kwargs,
+            **engine_kwargs_for(options, cpu),
         )
     except TypeError as error:  # a name EngineArgs does not take
         yield f"{key}.engine_kwargs", f"vLLM's EngineArgs refuses them: {error}"

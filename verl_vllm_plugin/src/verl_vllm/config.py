@@ -15,6 +15,12 @@ from verl_core.config.validators import InvalidValue, in_range, positive
 #: The KV cache of an engine on a CPU when ``kv_cache_megabytes`` is not set.
 DEFAULT_CPU_KV_CACHE_MEGABYTES = 1024
 
+#: ``EngineArgs`` the rollout sets on vLLM's CPU build unless ``engine_kwargs`` says otherwise. Each
+#: prompt is prefilled in one step: a prefill split over steps discards the token sampled after each
+#: part and rewinds the request's seeded generator, which a CPU generator cannot do ("CPU Generator
+#: does not use offset", the engine dies). The token budget of a step then covers ``max_model_len``.
+CPU_ENGINE_DEFAULTS: dict[str, Any] = {"enable_chunked_prefill": False}
+
 #: ``EngineArgs`` the rollout sets itself, each with what to use instead: passing one through
 #: ``engine_kwargs`` would change what the rollout's contract promises (its log-probs, its model, its
 #: seeds, where it runs) behind its back.
@@ -36,6 +42,11 @@ RESERVED_ENGINE_KWARGS: dict[str, str] = {
     "distributed_executor_backend": "rollout.vllm.tensor_parallel_size (it chooses the executor)",
     "enable_sleep_mode": "rollout.vllm.enable_sleep_mode",
 }
+
+
+def engine_kwargs_for(options: VLLMRolloutConfig, cpu: bool) -> dict[str, Any]:
+    """``options.engine_kwargs`` over the rollout's defaults for the device's vLLM build."""
+    return {**(CPU_ENGINE_DEFAULTS if cpu else {}), **options.engine_kwargs}
 
 
 def _engine_kwargs(instance: VLLMRolloutConfig, attribute: attrs.Attribute, value: dict[str, Any]) -> None:
@@ -88,5 +99,6 @@ class VLLMRolloutConfig:
     enable_sleep_mode: bool | None = None
     #: Further ``vllm.EngineArgs``, passed through unchecked (``max_num_seqs``, ``max_num_batched_tokens``,
     #: ...): valid for the vLLM release installed. Those the rollout sets itself are refused, naming
-    #: the key to use instead.
+    #: the key to use instead. On a CPU, ``enable_chunked_prefill`` is refused (``CPU_ENGINE_DEFAULTS``)
+    #: and ``max_num_batched_tokens`` must hold the engine's ``max_model_len``.
     engine_kwargs: dict[str, Any] = attrs.field(factory=dict, validator=_engine_kwargs)

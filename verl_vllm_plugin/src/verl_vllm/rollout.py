@@ -49,7 +49,7 @@ from verl_core.rollout.buckets import WeightBucket, unpack_buckets
 from verl_core.rollout.params import SamplingParams
 from verl_core.rollout.requests import RolloutRequest, RolloutResponse, finish_reason
 from verl_core.seeds import derive_seed
-from verl_vllm.config import DEFAULT_CPU_KV_CACHE_MEGABYTES, VLLMRolloutConfig
+from verl_vllm.config import DEFAULT_CPU_KV_CACHE_MEGABYTES, VLLMRolloutConfig, engine_kwargs_for
 from verl_vllm.engine import (
     ENGINE_ENVIRONMENT,
     EngineDriver,
@@ -213,7 +213,7 @@ class VLLMRollout(BaseRollout):
             # Outputs of a step come back with that step: an abort between steps loses no sampled token.
             async_scheduling=False,
             disable_log_stats=True,
-            **options.engine_kwargs,
+            **engine_kwargs_for(options, cpu),
         )
 
     # -- weights ---------------------------------------------------------------------------------

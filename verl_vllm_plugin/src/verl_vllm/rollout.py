@@ -126,6 +126,11 @@ class VLLMRollout(BaseRollout):
 
         path = str(check_model_dir(self.model_config.path, f"{self.config_path}.model.path"))
         gc.collect()  # a rollout no longer referenced shuts its engine down on collection
+        for other in list(_ENGINES):
+            # An engine that died serves nothing, though its rollout may still be referenced (by the
+            # traceback of the error it raised): shut it down, freeing the process's engine for this one.
+            if other._driver is not None and other._driver.failure is not None:
+                other.close()
         others = [other for other in _ENGINES if other._shutdown is not None and other._shutdown.alive]
         if others:
             raise RolloutError(

@@ -394,6 +394,12 @@ class _StopRequested(BaseException):
     a ``BaseException``, so that no ``except Exception`` on the way swallows it."""
 
 
+#: Seconds a stopped run may take to release its workers before it exits without them: a signal sent to
+#: the whole process group can end Ray's own processes before the trainer's, and Ray's calls then wait
+#: for them to come back (a minute by default).
+STOP_DEADLINE_S = 30.0
+
+
 class _StopSignals:
     """Within the block, SIGINT raises ``KeyboardInterrupt`` and SIGTERM ``_StopRequested`` in the main
     thread, and ``code`` records the exit code the first one asks for; the handlers are restored after.
@@ -401,7 +407,10 @@ class _StopSignals:
     ``say_stopped`` prints the line ``describe(code)`` once. A thread woken by the signal itself
     (``signal.set_wakeup_fd``) prints it as the signal arrives: the main thread may be inside a call that
     returns to Python only a second later (a wait on Ray's ranks), and ``nox`` forwards Ctrl-C to the
-    run, then kills it 0.5 s later, so the line must not wait for the main thread or the release."""
+    run, then kills it 0.5 s later, so the line must not wait for the main thread or the release.
+
+    A run that has not left the block ``STOP_DEADLINE_S`` after the first signal exits there, saying so,
+    with that signal's exit code."""
 
     SIGNALS = {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}
 
@@ -413,6 +422,7 @@ class _StopSignals:
         self._lock = threading.RLock()  # a second signal may interrupt the handler holding it
         self._wakeup: tuple[socket.socket, socket.socket, threading.Thread] | None = None
         self._previous_wakeup = -1
+        self._deadline: threading.Timer | None = None
 
     def __enter__(self) -> _StopSignals:
         for number in self.SIGNALS:
@@ -431,6 +441,22 @@ class _StopSignals:
         with self._lock:
             if not self.code:
                 self.code = self.SIGNALS[number]
+                self._deadline = threading.Timer(STOP_DEADLINE_S, self._exit_now)
+                self._deadline.daemon = True
+                self._deadline.start()
+
+    def _exit_now(self) -> None:
+        """The stop took longer than ``STOP_DEADLINE_S``: leave without the workers (what is saved stays
+        saved; a checkpoint being written is not complete, and the next run ignores it)."""
+        from verl_core.trainer import console
+
+        console.say(
+            f"verl-core: the run's workers were not released within {STOP_DEADLINE_S:.0f} s of the stop "
+            "(their processes may have stopped first): exiting without them"
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(self.code)
 
     def _handle(self, number: int, frame: Any) -> None:
         self._record(number)
@@ -460,6 +486,8 @@ class _StopSignals:
             signal.signal(number, signal.SIG_IGN)
 
     def __exit__(self, *exc_info: Any) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
         for number, handler in self.previous.items():
             signal.signal(number, handler if handler is not None else signal.SIG_DFL)
         if self._wakeup is not None:

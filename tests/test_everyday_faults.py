@@ -246,6 +246,17 @@ def is_loopback(address: str) -> bool:
     return ip.is_loopback or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_loopback)
 
 
+def assert_stopped_in_time(run: Run, seconds: float) -> None:
+    """Stopped in seconds, or, where the signal ended Ray's own processes before the ranks were
+    released (seen once in CI: Ray's calls then wait for them), at the stop deadline, saying so."""
+    from verl_core.cli import STOP_DEADLINE_S
+
+    if "the run's workers were not released" in run.err.read_text():
+        assert seconds < STOP_DEADLINE_S + 10, f"{seconds:.1f} s to stop"
+    else:
+        assert seconds < 15, f"{seconds:.1f} s to stop"
+
+
 def stop_line(stderr: str, what: str) -> re.Match:
     """The one line a stopped run ends with; nothing like a traceback or a stack dump around it."""
     for marker in ("Traceback", "KeyboardInterrupt", "SIGTERM received", "*** ", "Aborted"):
@@ -274,7 +285,7 @@ def test_ctrl_c_stops_a_local_ray_run_in_seconds_and_nothing_leaves_loopback(dem
 
         seconds = run.stop(signal.SIGINT)
         assert run.process.returncode == 130, run.err.read_text()[-3000:]
-        assert seconds < 15, f"{seconds:.1f} s to stop"
+        assert_stopped_in_time(run, seconds)
         match = stop_line(run.err.read_text(), "interrupted")
         step, saved = int(match.group(1)), int(match.group(3))
         assert saved >= 1 and saved < step <= saved + 2  # the step running, or its checkpoint being saved
@@ -300,7 +311,7 @@ def test_sigterm_to_the_whole_run_stops_it_in_seconds_without_a_stack_dump(demo,
         run.wait_for_step(2)  # step 1's checkpoint is complete: the stop line names it
         seconds = run.stop(signal.SIGTERM)
         assert run.process.returncode == 143, run.err.read_text()[-3000:]
-        assert seconds < 15, f"{seconds:.1f} s to stop"
+        assert_stopped_in_time(run, seconds)
         stop_line(run.err.read_text(), "stopped by SIGTERM")
         assert not run.leftovers()
     finally:

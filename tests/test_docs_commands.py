@@ -11,6 +11,7 @@ placeholders the reader fills in.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -27,6 +28,9 @@ PAGES = ["README.md", "docs/quickstart.md", "docs/training.md", "docs/sft.md", "
 NOT_RUN = {
     "pip install": "installs packages (CI's own install step runs the same)",
     "python -m pip": "installs packages (CI's own install step runs the same)",
+    "pip uninstall": "uninstalls packages (the vllm nox session runs the same after its install)",
+    "python examples/demo/make_demo.py": "builds the demo's assets, which the workspace has "
+    "(tests/test_demo_assets.py runs the script, --attention-heads and --kv-heads included)",
     "hf download": "downloads a model from the hub, which this machine cannot reach",
     "ray start": "starts a Ray cluster (tests/test_trainer_ray.py runs against a real `ray start --head`)",
     "python examples/embedding.py": "tests/test_embedding_example.py runs the example and checks its output",
@@ -59,6 +63,11 @@ def why_not_run(command: str) -> str | None:
         return "runs a whole nox session (CI runs `nox`; the demo session is the README's main job)"
     if any(word in command for word in PLACEHOLDERS):
         return "holds a placeholder the reader fills in (a cluster's address, their own config)"
+    if "rollout.backend=vllm" in command and importlib.util.find_spec("vllm") is None:
+        return (
+            "needs vLLM, which this environment lacks (`nox -s vllm` runs `verl-core config` with "
+            "rollout.backend=vllm: verl_vllm_plugin/tests/test_vllm_preflight.py)"
+        )
     return None
 
 

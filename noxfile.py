@@ -294,9 +294,10 @@ def install_check(session: nox.Session) -> None:
     1. ``verl-core[fsdp,megatron]``, the ``verl-ddp`` and ``verl-ulysses`` examples and
        ``verl-vllm-plugin`` without vLLM: our packages come from dist/ only (``--no-index``), the
        ``fsdp``, ``megatron``, ``ddp`` and ``ulysses`` backends are discovered from their wheels' entry
-       points, the ``vllm`` rollout is listed unavailable with the command that installs vLLM, verl-fsdp-plugin is installed at the version core's
-       extra pins, the Megatron and Ulysses engines import (megatron-core and what it needs came
-       along), and ``verl_core`` is imported from site-packages, not from this checkout.
+       points, the ``vllm`` rollout is listed unavailable with the command that installs vLLM,
+       verl-fsdp-plugin is installed at the version core's extra pins, the Megatron and Ulysses
+       engines import (megatron-core and what it needs came along), and ``verl_core`` is imported from
+       site-packages, not from this checkout.
     2. ``verl-core`` alone: only core's own plugin is listed, and asking for the ``megatron`` backend
        tells the user the pip command that installs it.
     """

@@ -16,7 +16,6 @@ vLLM (``docs/backends/vllm.md``) in the environment; takes about 3 minutes a run
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -41,10 +40,9 @@ def run(command: list[str], log: Path) -> float:
 
 def scores(run_dir: Path) -> list[tuple[int, float]]:
     """(step, validation mean score) of a run, in order."""
-    lines = (
-        (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
-    )
-    records = [json.loads(line) for line in lines]
+    from verl_core.trainer.run_files import METRICS_FILE, read_records
+
+    records = read_records(run_dir / METRICS_FILE)
     return [(r["step"], r["val/score/mean"]) for r in records if r.get("val/score/mean") is not None]
 
 

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from verl_core.trainer.run_files import METRICS_FILE, read_records
+
 REPO = Path(__file__).resolve().parents[2]
 #: The vLLM engine for 8 prompts x 8 responses of at most 48 + 24 tokens in one process.
 VLLM_OPTIONS = (
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             failed = True
             continue
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        records = read_records(run_dir / METRICS_FILE)
         scores = [(r["step"], r["val/score/mean"]) for r in records if r.get("val/score/mean") is not None]
         steps = [r["perf/step_s"] for r in records if r.get("perf/step_s") is not None]
         failed |= scores[-1][1] <= scores[0][1]

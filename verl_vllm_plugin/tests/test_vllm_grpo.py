@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-import json
 
 import pytest
 from fixtures.demo import run_overrides
 
 from verl_core.config import load_config
 from verl_core.trainer.rl import RLTrainer
+from verl_core.trainer.run_files import METRICS_FILE, read_records
 from verl_vllm.plugin import INSTALL
 
 if importlib.util.find_spec("vllm") is None:  # found without importing it: vLLM's import changes torch
@@ -33,7 +33,7 @@ def test_grpo_samples_with_vllm_what_the_engine_scores(wide_demo, tmp_path) -> N
 
     # The engine's log-probs beside the rollout's.
     fit(run_overrides(wide_demo, tmp_path, **VLLM, **{"trainer.recompute_old_log_probs": "true"}))
-    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = read_records(tmp_path / "run" / METRICS_FILE)
     declared = get_registry().get("rollout_backends", "vllm").capabilities.log_prob_tolerance
     measured = [step["rollout/log_prob_diff_max"] for step in steps]
     print(f"\nrollout vs engine log-probs, max |difference| per step: {measured} (declared {declared:g})")
@@ -60,10 +60,7 @@ def test_an_engine_that_dies_mid_run_stops_it_and_the_last_checkpoint_resumes(wi
     assert [step for step, _ in complete_checkpoints(tmp_path / "checkpoints")] == [1, 2]
     fit(overrides)
     assert [step for step, _ in complete_checkpoints(tmp_path / "checkpoints")] == [1, 2, 3]
-    steps = [
-        json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    ]
-    assert steps[-1] == 3
+    assert read_records(tmp_path / "run" / METRICS_FILE)[-1]["step"] == 3
 
 
 def fit(overrides: list[str], wrap_step=None) -> None:

@@ -131,7 +131,6 @@ def score(prompt, response, extra):
 
 
 def test_dynamic_sampling_drops_groups_without_signal_and_fills_the_batch(demo, tmp_path) -> None:
-    from verl_core.trainer.timing import Timer
 
     reward = tmp_path / "reward.py"
     reward.write_text(CONSTANT_FOR_SOME)
@@ -144,7 +143,7 @@ def test_dynamic_sampling_drops_groups_without_signal_and_fills_the_batch(demo, 
             "rollout.temperature": 1.5,
         },
     )
-    collected = trainer.collect(1, Timer())
+    collected = trainer.collect(1)
     batch, rounds = collected.batch, collected.rounds
     assert batch.batch_size[0] == 4 * trainer.n
     prompt_ids = batch["input_ids"][:, : -batch["responses"].shape[1]]

@@ -10,6 +10,7 @@ its light modules, ``verl_core.config.run``) imports neither torch nor cattrs no
 from verl_core.lazy import lazy_exports
 
 _EXPORTS = {
+    "AsyncTrainingConfig": "verl_core.config.run",
     "AlgorithmConfig": "verl_core.config.algorithm",
     "CriticLossConfig": "verl_core.config.algorithm",
     "FilterGroupsConfig": "verl_core.config.algorithm",

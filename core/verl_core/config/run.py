@@ -132,6 +132,14 @@ class AgentConfig:
             yield "tools", "ignored: rollout.agent.environment is not set; set it to 'tools' to use them"
 
 
+def _resources(attribute: attrs.Attribute, value: dict[str, float]) -> None:
+    for name, amount in value.items():
+        if not name:
+            raise InvalidValue(attribute.name, "a resource needs a name (CPU, GPU or a custom resource)")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount >= 0:
+            raise InvalidValue(f"{attribute.name}.{name}", f"must be a number >= 0, got {amount!r}")
+
+
 @attrs.define
 class RolloutConfig:
     """The ``rollout`` section: how responses are generated, and by which rollout backend.
@@ -168,6 +176,27 @@ class RolloutConfig:
     free_cache_engine: bool = True
     #: Multi-turn rollouts with an environment (tools); off unless ``agent.environment`` is set.
     agent: AgentConfig = attrs.field(factory=AgentConfig)
+    #: Where the rollout runs: ``colocated``, in the actor's processes (it generates while the actor's
+    #: engines wait, and takes the weights in memory), or ``separate``, as ``replicas`` processes of its
+    #: own (Ray actors; threads of the driver with ``trainer.workers=in_process``) that the weights travel
+    #: to after every update. ``async_training`` needs ``separate``.
+    placement: Literal["colocated", "separate"] = "colocated"
+    #: Separate rollout processes; the prompts of a generation are split over them as over DP ranks.
+    replicas: int = attrs.field(default=1, validator=positive)
+    #: The Ray resources each replica asks for (``CPU``, ``GPU``, or a custom resource a node was
+    #: started with, to choose its node); the placement is checked against the cluster before anything
+    #: starts.
+    replica_resources: dict[str, float] = attrs.field(
+        factory=lambda: {"CPU": 1.0}, validator=lambda _, attribute, value: _resources(attribute, value)
+    )
+
+    def ignored(self) -> Iterator[tuple[str, str]]:
+        if self.placement == "colocated":
+            for key in ("replicas", "replica_resources"):
+                default = attrs.fields_dict(RolloutConfig)[key].default
+                default = default.factory() if isinstance(default, attrs.Factory) else default
+                if getattr(self, key) != default:
+                    yield key, "ignored: rollout.placement is 'colocated'; set it to 'separate' for replicas"
 
 
 @attrs.define
@@ -228,6 +257,12 @@ class TrainerConfig:
     world_size: int = attrs.field(default=1, validator=positive)
     #: An existing Ray cluster to join (``ray://host:port`` or ``host:port``); ``None`` starts a local one.
     ray_address: str | None = None
+    #: Under Ray, the resources each rank of the actor and the critic asks for (``CPU``, ``GPU``, or a
+    #: custom resource a node was started with, to choose its node); ``None``: one GPU per rank of an
+    #: engine on CUDA and nothing else (the ranks share a node's cores).
+    rank_resources: dict[str, float] | None = attrs.field(
+        default=None, validator=lambda _, attribute, value: value is None or _resources(attribute, value)
+    )
     #: Recompute the old log-probs with the training engine before the update even with one update per
     #: batch (one mini-batch, one epoch), where the rollout's own (or, with ``rollout.dtype`` set, the
     #: update's) are the same policy's. A recompute also logs how far the rollout's are from them.
@@ -288,6 +323,40 @@ class RewardConfig:
 
 
 @attrs.define
+class AsyncTrainingConfig:
+    """The ``async_training`` section: whether generation waits for training (docs/training.md, "Asynchronous
+    training"). Off-policy modes need ``rollout.placement=separate``: the replicas generate the next
+    batches while the actor trains on this one.
+
+    Staleness is counted in policy versions (the number of updates behind the weights a sample was
+    generated with): batch ``s`` is trained by the update from version ``s - 1``, and generated from
+    version ``max(s - 1 - max_staleness, c)``, where ``c`` is the last checkpointed step before ``s`` (a
+    checkpoint is a barrier: the batch after it is generated from the checkpoint's weights, in the run
+    as after a resume from it, which makes resume exact).
+    """
+
+    #: ``sync``: generate, then train (staleness 0); ``one_step_off``: generate batch s+1 while batch s
+    #: trains (staleness 1); ``async``: generate up to ``max_staleness`` batches ahead of training.
+    mode: Literal["sync", "one_step_off", "async"] = "sync"
+    #: In ``async`` mode, how many policy versions behind the trained policy the samples are (exactly:
+    #: batch ``s`` comes from version ``s - 1 - max_staleness``, see above); 0 is ``sync``'s run, bitwise.
+    max_staleness: int = attrs.field(default=1, validator=non_negative)
+
+    @property
+    def staleness(self) -> int:
+        """The policy versions a batch lags in this mode (before barriers)."""
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
+
+    def ignored(self) -> Iterator[tuple[str, str]]:
+        if self.mode != "async" and self.max_staleness != 1:
+            yield (
+                "max_staleness",
+                f"ignored: async_training.mode is {self.mode!r} (staleness {self.staleness}); set it to "
+                "'async' for a staleness of your choice",
+            )
+
+
+@attrs.define
 class RunConfig:
     """A whole training run; ``verl_core.config.load_config`` builds it from YAML and overrides."""
 
@@ -299,6 +368,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = attrs.field(factory=AlgorithmConfig)
     data: DataConfig = attrs.field(factory=DataConfig)
     trainer: TrainerConfig = attrs.field(factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = attrs.field(factory=AsyncTrainingConfig)
 
     @property
     def ref_engine(self) -> EngineConfig:
@@ -319,7 +389,10 @@ class RunConfig:
         optimiser steps per batch and epoch (``registry`` resolves ``rollout.backend``; default: the
         installed plugins):
 
-        - ``ENGINE``: recomputed by the training engine before the update. Several updates per batch
+        - ``ENGINE``: recomputed by the training engine before the update. Off-policy training
+          (``async_training`` with a staleness): the rollout sampled from an older policy, and the
+          engine's log-probs are decoupled PPO's proximal policy (the rollout's, the behaviour policy's,
+          weigh them with ``rollout_correction``). Several updates per batch
           (mini-batches, epochs) move the policy away from the rollout's before some of them; a rollout
           correction (``actor.policy_loss.rollout_correction``: importance weights or rejection) weighs
           the engine's against the rollout's; a KL penalty in the reward reads them before the update;
@@ -338,6 +411,7 @@ class RunConfig:
         mismatch = not self._rollout_matches_engine(registry)
         if (
             self.trainer.recompute_old_log_probs
+            or self.async_training.staleness > 0
             or num_mini_batches > 1
             or self.actor.ppo_epochs > 1
             or correction.active
@@ -382,6 +456,7 @@ class RunConfig:
             self._rollout_options_fit_its_model,
             self._rollout_generates_in_its_dtype,
             self._bypass_recomputes_nothing,
+            self._off_policy_needs_separate_rollout,
         )
 
     def _mini_batches_divide_the_batch(self) -> Iterator[tuple[str, str]]:
@@ -451,6 +526,15 @@ class RunConfig:
                 "trainer.recompute_old_log_probs",
                 "contradicts actor.policy_loss.rollout_correction.bypass_mode, which takes the rollout's "
                 "log-probs as the old ones instead of recomputing them: set one of the two to false",
+            )
+
+    def _off_policy_needs_separate_rollout(self) -> Iterator[tuple[str, str]]:
+        mode = self.async_training.mode
+        if mode != "sync" and self.rollout.placement != "separate":
+            yield (
+                "async_training.mode",
+                f"{mode!r} generates while the actor trains, which a rollout in the actor's processes cannot: "
+                "set rollout.placement=separate (and rollout.replicas), or async_training.mode=sync",
             )
 
     def ignored(self) -> Iterator[tuple[str, str]]:

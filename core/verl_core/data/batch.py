@@ -59,6 +59,9 @@ UID = "uid"
 #: Multi-turn rollouts: each response's reward from its environment, NaN where it gave none (the
 #: reward function scores those).
 ENVIRONMENT_REWARDS = "environment_rewards"
+#: ``[B, R]`` int64: the policy version (updates applied) of the weights that generated each response
+#: token; asynchronous training reads the staleness from it (docs/training.md).
+ROLLOUT_POLICY_VERSIONS = "rollout_policy_versions"
 
 #: Non-tensor keys of a batch that steer the forward pass (``engine.base.forward_options`` reads them).
 TEMPERATURE = "temperature"

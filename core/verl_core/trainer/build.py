@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from verl_core.config.engine import ModelConfig
 from verl_core.config.paths import absolute_paths
 from verl_core.config.run import RunConfig
 from verl_core.errors import ConfigError
 from verl_core.workers.group import InProcessWorkerGroup, WorkerGroup
 from verl_core.workers.ranks import ActorWorker, CriticWorker
+from verl_core.workers.replicas import RolloutReplicas, RolloutReplicaWorker
 from verl_core.workers.roles import Actor, Critic
 
 #: Files that hold a tokenizer's vocabulary: a model folder needs one of them.
@@ -65,40 +68,72 @@ def load_tokenizer(model: ModelConfig) -> Any:
 
 
 def workers_description(config: RunConfig) -> str:
-    """Where the roles run, for the console: ``in process``, ``2 rank(s) under a local Ray cluster``."""
+    """Where the roles run, for the console: ``in process``, ``2 rank(s) under a local Ray cluster``,
+    with the separate rollout replicas."""
     trainer = config.trainer
+    replicas = ""
+    if config.rollout.placement == "separate":
+        replicas = f" and {config.rollout.replicas} rollout replica(s)"
     if trainer.workers == "in_process":
-        return "in process"
+        return f"in process{replicas}"
     cluster = f"the Ray cluster at {trainer.ray_address}" if trainer.ray_address else "a local Ray cluster"
-    return f"{trainer.world_size} rank(s) each under {cluster}"
+    return f"{trainer.world_size} rank(s) each{replicas} under {cluster}"
+
+
+@attrs.frozen
+class GroupSpec:
+    """One worker group to start: its role's name, how a rank builds its worker, the device its
+    engine computes on (an ``EngineConfig.device``), its ranks, the Ray resources each asks for
+    (``None``: ``rank_demand``'s default) and the config key that sets them, for messages."""
+
+    role: str
+    make_worker: Any
+    device: str = "cpu"
+    world_size: int | None = None
+    resources: dict[str, float] | None = None
+    resources_key: str = "trainer.world_size"
 
 
 def worker_group(config: RunConfig, role: str, make_worker: Any, device: str = "cpu") -> WorkerGroup:
     """The worker group ``trainer.workers`` says for ``role``, whose engine computes on ``device``
     (an ``EngineConfig.device``: under Ray, a CUDA engine gets one GPU per rank and NCCL)."""
-    (group,) = worker_groups(config, [(role, make_worker, device)])
+    (group,) = worker_groups(config, [GroupSpec(role, make_worker, device)])
     return group
 
 
-def worker_groups(config: RunConfig, roles: list[tuple[str, Any, str]]) -> list[WorkerGroup]:
-    """``worker_group`` for each ``(role, make_worker, device)``; under Ray the groups start side by side
-    (``start_together``), not one after the other. If one fails, the others are released."""
+def worker_groups(config: RunConfig, specs: list[GroupSpec]) -> list[WorkerGroup]:
+    """The worker group of each spec (``trainer.world_size`` ranks unless it says); under Ray, the
+    placement checked against the cluster first (``verl_core.workers.placement``: a ``ConfigError``
+    at the key that sets the resources), then the groups started side by side (``start_together``),
+    not one after the other. If one fails, the others are released."""
     if config.trainer.workers == "in_process":
-        return [InProcessWorkerGroup(role, make_worker) for role, make_worker, _ in roles]
+        return [InProcessWorkerGroup(spec.role, spec.make_worker) for spec in specs]
     from verl_core.engine.device import device_type
-    from verl_core.workers.ray_group import RayWorkerGroup, start_together
+    from verl_core.workers.placement import Demand, cluster_nodes, placement_problems
+    from verl_core.workers.ray_group import RayWorkerGroup, ensure_ray, rank_demand, start_together
 
+    devices = [device_type(spec.device, f"{spec.role}.engine.device") for spec in specs]
+    sizes = [spec.world_size or config.trainer.world_size for spec in specs]
+    demands = [
+        Demand(f"{spec.role} rank {rank}", spec.resources_key, rank_demand(device, spec.resources))
+        for spec, device, size in zip(specs, devices, sizes, strict=True)
+        for rank in range(size)
+    ]
+    problems = placement_problems(demands, cluster_nodes(ensure_ray(config.trainer.ray_address)))
+    if problems:
+        raise ConfigError(problems)
     groups = []
     try:
-        for role, make_worker, device in roles:
+        for spec, device, size in zip(specs, devices, sizes, strict=True):
             group = RayWorkerGroup(
-                role,
-                make_worker,
-                world_size=config.trainer.world_size,
+                spec.role,
+                spec.make_worker,
+                world_size=size,
                 address=config.trainer.ray_address,
-                device=device_type(device, f"{role}.engine.device"),
+                device=device,
                 liveness_timeout_s=config.trainer.worker_timeout_s,
                 wait=False,
+                resources=spec.resources,
             )
             groups.append(group)
         start_together(groups)
@@ -109,27 +144,63 @@ def worker_groups(config: RunConfig, roles: list[tuple[str, Any, str]]) -> list[
     return groups
 
 
-def build_roles(config: RunConfig, registry: Any = None) -> tuple[Actor, Critic | None]:
-    """The actor and (with ``critic.enable``) the critic, their engines initialised on every rank."""
-    roles = [("actor", WorkerMaker(ActorWorker, config, registry), config.actor.engine.device)]
+@attrs.frozen
+class Roles:
+    """A run's roles, their engines initialised on every rank: the actor, the critic (with
+    ``critic.enable``) and the separate rollout replicas (with ``rollout.placement=separate``)."""
+
+    actor: Actor
+    critic: Critic | None = None
+    replicas: RolloutReplicas | None = None
+
+    def shutdown(self) -> None:
+        for role in (self.actor, self.critic, self.replicas):
+            if role is not None:
+                role.shutdown()
+
+
+def build_roles(config: RunConfig, registry: Any = None) -> Roles:
+    """The actor, the critic (with ``critic.enable``) and the rollout replicas (with
+    ``rollout.placement=separate``), their engines and rollouts initialised."""
+    ranks = {"resources": config.trainer.rank_resources, "resources_key": "trainer.rank_resources"}
+    specs = [
+        GroupSpec("actor", WorkerMaker(ActorWorker, config, registry), config.actor.engine.device, **ranks)
+    ]
     if config.critic.enable:
-        roles.append(("critic", WorkerMaker(CriticWorker, config, registry), config.critic.engine.device))
-    if config.trainer.workers == "in_process":  # one process: each role built and initialised in turn
-        actor = Actor(worker_group(config, *roles[0]))
-        try:
-            return actor, Critic(worker_group(config, *roles[1])) if config.critic.enable else None
-        except BaseException:
-            actor.shutdown()
-            raise
-    groups = worker_groups(config, roles)
+        specs.append(
+            GroupSpec(
+                "critic", WorkerMaker(CriticWorker, config, registry), config.critic.engine.device, **ranks
+            )
+        )
+    separate = config.rollout.placement == "separate"
+    if separate:
+        rollout = config.rollout
+        specs += [
+            GroupSpec(
+                f"rollout replica {replica}",
+                WorkerMaker(RolloutReplicaWorker, config, registry),
+                world_size=1,
+                resources=dict(rollout.replica_resources),
+                resources_key="rollout.replica_resources",
+            )
+            for replica in range(rollout.replicas)
+        ]
+    groups: list[WorkerGroup] = []
     try:
+        if config.trainer.workers == "in_process":  # one process: each role built and initialised in turn
+            for spec in specs:
+                groups += worker_groups(config, [spec])
+        else:
+            groups = worker_groups(config, specs)
+        # Group shutdowns are idempotent: on a failure below, every group is released once more.
         actor = Actor(groups[0])
         critic = Critic(groups[1]) if config.critic.enable else None
+        replicas = RolloutReplicas(groups[len(specs) - config.rollout.replicas :]) if separate else None
     except BaseException:  # an engine that failed to initialise: release every rank
         for group in groups:
             group.shutdown()
         raise
-    return actor, critic
+    return Roles(actor, critic, replicas)
 
 
 class WorkerMaker:

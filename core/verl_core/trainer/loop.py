@@ -127,9 +127,13 @@ class Trainer(abc.ABC):
         """Restore what ``trainer_state`` returned, from a checkpoint's ``trainer_state.json``."""
         del state  # nothing of its own by default
 
+    def sampler_state(self) -> dict[str, Any]:
+        """The sampler's state as of the step just trained, for its checkpoint."""
+        return self.sampler.state_dict()
+
     def save_checkpoint(self, step: int) -> Path:
         """Publish step ``step``'s checkpoint: the roles' engines, the sampler and ``trainer_state``."""
-        state = {"trainer": self.kind, "global_step": step, "sampler": self.sampler.state_dict()}
+        state = {"trainer": self.kind, "global_step": step, "sampler": self.sampler_state()}
         return checkpoints.save(self.config, step, self.actor, self.critic, state | self.trainer_state())
 
     def resume(self) -> int:

@@ -15,6 +15,8 @@ process); the trainer only ever holds whole batches and materialised results.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,7 @@ from verl_core.data.batch import (
     RESPONSES,
     RETURNS,
     ROLLOUT_LOG_PROBS,
+    ROLLOUT_POLICY_VERSIONS,
     SCORES,
     TOKEN_LEVEL_REWARDS,
     UID,
@@ -58,6 +61,7 @@ from verl_core.reward import load_reward_function, score_responses
 from verl_core.rollout.base import SamplingParams
 from verl_core.seeds import derive_seed
 from verl_core.trainer import console
+from verl_core.trainer.asynchronous import GenerationPipeline, ReadyBatch
 from verl_core.trainer.loop import Trainer, epoch_sampler, prepare_run, run_length, with_run_length
 from verl_core.trainer.metrics import REWARD_KEY, VAL_SCORE_KEY
 from verl_core.trainer.preflight import preflight
@@ -65,6 +69,7 @@ from verl_core.trainer.run_files import validation_samples_path, write_jsonl
 from verl_core.trainer.timing import Timer
 from verl_core.trainer.validation import summarize
 from verl_core.workers.dispatch import check_divisible
+from verl_core.workers.replicas import RolloutReplicas
 from verl_core.workers.roles import Actor, Critic
 
 #: ``trainer_state.json``'s ``trainer``: what tells an RL run's checkpoint from an SFT run's.
@@ -83,6 +88,11 @@ class Collected:
     epoch: int
     rounds: int
     reward_metrics: dict[str, float]
+    #: The sampler's state once this batch's prompts were drawn: what a checkpoint after its step keeps
+    #: (an asynchronous run draws the prompts of later batches before that step ends).
+    sampler_state: dict[str, Any] = attrs.field(factory=dict)
+    #: The wall seconds of the phases that made it (``timing/generate``, ``timing/reward``).
+    timings: dict[str, float] = attrs.field(factory=dict)
 
 
 class RLTrainer(Trainer):
@@ -106,9 +116,16 @@ class RLTrainer(Trainer):
         val_data: PromptDataset | None = None,
         registry: Any = None,
         show_progress: bool = True,
+        replicas: RolloutReplicas | None = None,
     ):
         self.config = config
         self.actor, self.critic = actor, critic
+        #: The separate rollout replicas (``rollout.placement=separate``), None when colocated.
+        self.replicas = replicas
+        #: The generation thread of an asynchronous run, while ``fit`` trains.
+        self.pipeline: GenerationPipeline | None = None
+        self._trained_sampler_state: dict[str, Any] | None = None
+        self._generate = replicas.generate if replicas is not None else actor.generate
         self.tokenizer = tokenizer
         self.train_data, self.val_data = train_data, val_data
         self.registry = registry
@@ -141,7 +158,7 @@ class RLTrainer(Trainer):
         preflight(config, TRAINER_KIND, registry)
         import_tools_file(config.rollout.agent)  # it runs: here, not in preflight (verl-core config)
         prepared = prepare_run(config, TRAINER_KIND)
-        actor = critic = None
+        roles = None
         try:
             with console.phase("loading the tokenizer and the datasets"):
                 tokenizer = load_tokenizer(config.actor.engine.model)
@@ -152,11 +169,12 @@ class RLTrainer(Trainer):
                 f"starting the actor{' and the critic' if config.critic.enable else ''} "
                 f"({workers_description(config)}: engines and rollout)"
             ):
-                actor, critic = build_roles(config, registry)
+                roles = build_roles(config, registry)
             trainer = cls(
                 config,
-                actor=actor,
-                critic=critic,
+                actor=roles.actor,
+                critic=roles.critic,
+                replicas=roles.replicas,
                 tokenizer=tokenizer,
                 train_data=train_data,
                 val_data=val_data,
@@ -164,9 +182,8 @@ class RLTrainer(Trainer):
                 **options,
             )
         except BaseException:  # the worker groups hold processes, the lock the folders: release them
-            for role in (actor, critic):
-                if role is not None:
-                    role.shutdown()
+            if roles is not None:
+                roles.shutdown()
             prepared.lock.release()
             raise
         trainer.prepared = prepared
@@ -174,9 +191,10 @@ class RLTrainer(Trainer):
 
     def shutdown(self) -> None:
         """Release the worker groups and the run's folders."""
-        self.actor.shutdown()
-        if self.critic is not None:
-            self.critic.shutdown()
+        self._stop_pipeline()
+        for role in (self.actor, self.critic, self.replicas):
+            if role is not None:
+                role.shutdown()
         self.release()
 
     # -- the run ---------------------------------------------------------------------------------
@@ -188,9 +206,17 @@ class RLTrainer(Trainer):
 
     def train_step(self, step: int) -> dict[str, float]:
         timer = Timer()
-        collected = self.collect(step, timer)
+        metrics: dict[str, float] = {}
+        if self.pipeline is not None:  # generated ahead, on the pipeline's thread
+            ready = self.pipeline.take(step)
+            collected = ready.collected
+            metrics |= pipeline_metrics(ready, collected.batch, step, self.pipeline.staleness)
+        else:
+            collected = self.collect(step)
+        timer.timings |= collected.timings
+        self._trained_sampler_state = collected.sampler_state
         batch = collected.batch
-        metrics = {"training/generation_rounds": float(collected.rounds), **collected.reward_metrics}
+        metrics |= {"training/generation_rounds": float(collected.rounds), **collected.reward_metrics}
         batch[TOKEN_LEVEL_REWARDS] = outcome_rewards(batch[SCORES], batch[RESPONSE_MASK])
         generated_mask = batch[RESPONSE_MASK]  # before a rollout correction rejects any token
         with timer.phase("old_log_probs"):
@@ -256,18 +282,20 @@ class RLTrainer(Trainer):
         with timer.phase("update_actor"):
             metrics |= self.actor.update(batch, self.num_mini_batches, "data.train_batch_size")
         with timer.phase("sync"):
-            self.actor.sync_weights()
+            self.sync_weights(step)
         self.last_batch = batch  # the step's whole batch (responses, scores, advantages), for inspection
 
         return metrics | timer.step_metrics(generated_mask, collected.epoch)
 
-    def collect(self, step: int, timer: Timer) -> Collected:
+    def collect(self, step: int) -> Collected:
         """The step's scored responses: ``rollout.n`` per prompt of the next ``data.train_batch_size``
         prompts. With ``algorithm.filter_groups`` (DAPO's dynamic sampling), groups whose responses all
         scored the same are dropped and more prompts are drawn until the batch is full; the reward
         metrics then cover every round's responses (``reward/errors`` counts them all), the scores'
         statistics the kept ones. Multi-turn rollouts add the conversations' ``agent/*`` metrics
-        (``conversation_metrics``), over every round's conversations too."""
+        (``conversation_metrics``), over every round's conversations too. Each response token is tagged
+        with the policy version that generated it (``ROLLOUT_POLICY_VERSIONS``)."""
+        timer = Timer()
         wanted = self.config.data.train_batch_size
         filtering = self.config.algorithm.filter_groups
         kept: list[TensorDict] = []
@@ -317,7 +345,67 @@ class RLTrainer(Trainer):
         }
         if conversations:  # multi-turn: over every round's conversations, as the reward metrics
             reward_metrics |= conversation_metrics(conversations)
-        return Collected(merged, epoch, rounds, reward_metrics)
+        # Colocated, the rollout holds the policy as the last step left it.
+        version = self.replicas.version if self.replicas is not None else step - 1
+        merged[ROLLOUT_POLICY_VERSIONS] = torch.full(merged[RESPONSES].shape, version, dtype=torch.int64)
+        return Collected(merged, epoch, rounds, reward_metrics, self.sampler.state_dict(), timer.metrics())
+
+    # -- the weights, and the generation thread --------------------------------------------------
+
+    def sync_weights(self, version: int) -> None:
+        """The policy's weights, ``version`` updates in, into the rollout: the colocated one in memory;
+        the replicas' through ``publish_weights`` (to the generation thread, which moves the replicas
+        when a batch needs them, in an asynchronous run)."""
+        if self.replicas is None:
+            self.actor.sync_weights()
+            return
+        published = self.actor.publish_weights()
+        if self.pipeline is not None:
+            self.pipeline.publish(version, published)
+        else:
+            self.replicas.update_weights(published, version)
+
+    def _train(self) -> dict[str, float]:
+        if self.replicas is None:
+            return super()._train()
+        mode = self.config.async_training
+        if mode.mode != "sync":
+            self.pipeline = GenerationPipeline(
+                self.collect,
+                self.replicas,
+                first_step=self.global_step,
+                total_steps=self.total_steps,
+                staleness=mode.staleness,
+                save_freq=self.config.trainer.save_freq,
+            )
+            self.pipeline.start()
+        try:
+            self.sync_weights(self.global_step)  # the replicas loaded the model, not the policy resumed
+            return super()._train()
+        finally:
+            self._stop_pipeline()
+
+    def _stop_pipeline(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
+
+    @contextlib.contextmanager
+    def _newest_weights(self, step: int) -> Iterator[None]:
+        """Generate with the policy of step ``step`` (validation): the generation thread paused between
+        two batches and the replicas moved to that version meanwhile."""
+        if self.pipeline is None:
+            yield
+            return
+        with self.pipeline.pause():
+            if self.replicas.version != step:
+                self.replicas.update_weights(self.pipeline.weights(step), step)
+            yield
+
+    def sampler_state(self) -> dict[str, Any]:
+        if self._trained_sampler_state is not None:
+            return self._trained_sampler_state
+        return super().sampler_state()
 
     @property
     def recompute_old_log_probs(self) -> bool:
@@ -341,11 +429,9 @@ class RLTrainer(Trainer):
         prompts = [row.prompt_ids for row in rows for _ in range(n)]
         conversations: list[Conversation] = []
         if self.agent_loop is None:
-            batch = self.actor.generate(prompts, sampling, seed)
+            batch = self._generate(prompts, sampling, seed)
         else:
-            batch, conversations = run_conversations(
-                self.agent_loop, self.actor.generate, rows, n, sampling, seed
-            )
+            batch, conversations = run_conversations(self.agent_loop, self._generate, rows, n, sampling, seed)
         batch[UID] = torch.arange(len(rows)).repeat_interleave(n)
         return batch, conversations
 
@@ -393,12 +479,12 @@ class RLTrainer(Trainer):
         by_prompt: list[list[float]] = []
         sources: list[str] = []
         samples: list[dict[str, Any]] = []
-        for number, indices in enumerate(
-            sequential_batches(len(self.val_data), self.config.data.val_batch_size)
-        ):
+        batches = sequential_batches(len(self.val_data), self.config.data.val_batch_size)
+        for number, indices in enumerate(batches):
             rows = self.val_data.select(indices)
             seed = derive_seed("validation", self.config.trainer.seed, step, number)
-            batch = self.generate(rows, sampling, seed=seed, n=k)
+            with self._newest_weights(step):
+                batch = self.generate(rows, sampling, seed=seed, n=k)
             scores, _ = self.score(batch, rows)
             by_prompt += scores.view(len(rows), k).tolist()
             sources += [str(row.extra.get("data_source", "default")) for row in rows]
@@ -463,6 +549,28 @@ def _sampling(temperature: float, config: RunConfig, tokenizer: Any) -> Sampling
         top_k=rollout.top_k,
         top_p=rollout.top_p,
     )
+
+
+def pipeline_metrics(ready: ReadyBatch, batch: TensorDict, step: int, staleness: int) -> dict[str, float]:
+    """An asynchronous step's metrics (docs/training.md): the samples' staleness (policy versions behind
+    the policy that trains on them: its mean, its largest, and the share of samples at each staleness
+    from 0 to ``staleness``), the batches ready when the trainer took this one (``async/buffer_depth``),
+    the share of its generation the trainer did not wait for (``async/overlap``), and the seconds each
+    role waited for the other (``timing/idle/trainer``, ``timing/idle/rollout``)."""
+    versions = batch[ROLLOUT_POLICY_VERSIONS].masked_fill(~batch[RESPONSE_MASK].bool(), step - 1)
+    behind = (step - 1) - versions.amin(dim=-1)  # a sample is as stale as its oldest token
+    metrics = {
+        "async/staleness/mean": float(behind.float().mean()),
+        "async/staleness/max": float(behind.max()),
+        **{f"async/staleness/{k}": float((behind == k).float().mean()) for k in range(staleness + 1)},
+        "async/buffer_depth": float(ready.buffer_depth),
+        "timing/idle/trainer": ready.trainer_idle_s,
+        "timing/idle/rollout": ready.rollout_idle_s,
+    }
+    if ready.generation_s > 0:
+        overlapped = max(0.0, ready.generation_s - ready.trainer_idle_s) / ready.generation_s
+        metrics["async/overlap"] = min(1.0, overlapped)
+    return metrics
 
 
 def outcome_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,11 @@ from verl_core.engine.topology import Topology
 from verl_core.hookspecs import Kind
 from verl_core.rollout.base import SamplingParams
 from verl_core.rollout.buckets import weight_buckets
+from verl_core.workers.replicas import PublishedWeights, publish_buckets
+
+#: The bucket size of ``ActorWorker.publish_weights`` when ``rollout.update_weights_bucket_megabytes`` is
+#: 0 (separate replicas always take checked buckets).
+DEFAULT_BUCKET_MEGABYTES = 512
 
 
 def engine_topology(engine: BaseEngine) -> Topology:
@@ -109,21 +114,28 @@ class ActorWorker:
         if config.uses_kl and not self.ref_in_policy:
             ref_path = "ref.engine" if config.ref.engine is not None else "actor.engine"
             self.ref = build_engine(config.ref_engine, ModelRole.LM, registry, config_path=ref_path)
-        entry = registry.entry(Kind.ROLLOUT_BACKENDS, config.rollout.backend, where="rollout.backend")
-        self.rollout = entry.load("rollout")(
-            config.rollout_model,
-            config.rollout.options,
-            device=str(self.policy.device),
-            config_path="rollout",
-        )
+        #: The colocated rollout; ``None`` with ``rollout.placement=separate`` (replicas of their own
+        #: generate, and take the weights from ``publish_weights``).
+        self.rollout = None
         #: Whether the rollout sleeps between its generations (``rollout.free_cache_engine``, and a
         #: backend that declares sleep).
-        self.rollout_sleeps = config.rollout.free_cache_engine and entry.descriptor.capabilities.sleep
+        self.rollout_sleeps = False
+        if config.rollout.placement == "colocated":
+            entry = registry.entry(Kind.ROLLOUT_BACKENDS, config.rollout.backend, where="rollout.backend")
+            self.rollout = entry.load("rollout")(
+                config.rollout_model,
+                config.rollout.options,
+                device=str(self.policy.device),
+                config_path="rollout",
+            )
+            self.rollout_sleeps = config.rollout.free_cache_engine and entry.descriptor.capabilities.sleep
 
     def initialize(self) -> Topology:
         self.policy.initialize()
         if self.ref is not None:
             self.ref.initialize()
+        if self.rollout is None:
+            return engine_topology(self.policy)
         self.rollout.initialize()
         if self.config.actor.engine.model.lora_adapter_path is not None:
             # The rollout loaded the base model; the policy is the base with the saved adapter.
@@ -167,6 +179,21 @@ class ActorWorker:
             self.rollout.update_weights_from_buckets(weight_buckets(params, megabytes << 20))
         else:
             self.rollout.update_weights(params)
+
+    def publish_weights(self) -> PublishedWeights | None:
+        """The policy's full weights for separate rollout replicas (``verl_core.workers.replicas``): on DP
+        rank 0's output rank, checked buckets of ``rollout.update_weights_bucket_megabytes`` (the default
+        size with 0) on the CPU, in Ray's object store under Ray; ``None`` on the other ranks (every rank
+        must call it: gathering sharded weights is a collective)."""
+        params = ((name, tensor.detach().to("cpu")) for name, tensor in self.policy.get_per_tensor_param())
+        if not (self.policy.dp_rank == 0 and self.policy.is_output_rank):
+            for _ in params:  # take part in the gathers
+                pass
+            return None
+        megabytes = self.config.rollout.update_weights_bucket_megabytes or DEFAULT_BUCKET_MEGABYTES
+        return publish_buckets(
+            weight_buckets(params, megabytes << 20), object_store=self.config.trainer.workers == "ray"
+        )
 
     # -- log-probs ---------------------------------------------------------------------------------
 
@@ -248,7 +275,8 @@ class ActorWorker:
 
     def load_checkpoint(self, path: str) -> int:
         step = self.policy.load_checkpoint(path)
-        self.sync_weights()  # the rollout generates with the restored policy
+        if self.rollout is not None:
+            self.sync_weights()  # the rollout generates with the restored policy
         return step
 
     def save_hf_model(self, path: str) -> None:

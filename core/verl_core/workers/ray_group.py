@@ -24,7 +24,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -193,6 +193,24 @@ def _keep_collectives_on(host: str) -> None:
             os.environ.setdefault(name, interface)
 
 
+def rank_demand(device: str, resources: Mapping[str, float] | None = None) -> dict[str, float]:
+    """The Ray resources one rank asks for: ``resources`` where given (``CPU``, ``GPU``, custom ones),
+    else one GPU on CUDA (Ray then makes that GPU the rank's only visible one, cuda:0) and no CPU (ranks
+    share a node's cores, as ``torch.set_num_threads(1)`` in each assumes)."""
+    if resources is not None:
+        return {name: float(amount) for name, amount in resources.items() if amount}
+    return {"GPU": 1.0} if device.startswith("cuda") else {}
+
+
+def rank_options(device: str, resources: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """``ray.remote`` options for ``rank_demand``."""
+    demand = dict(rank_demand(device, resources))
+    options: dict[str, Any] = {"num_cpus": demand.pop("CPU", 0.0), "num_gpus": demand.pop("GPU", 0.0)}
+    if demand:
+        options["resources"] = demand
+    return options
+
+
 class _Rank:
     """The Ray actor of one rank (decorated with ``ray.remote`` when the group is made)."""
 
@@ -253,7 +271,8 @@ class RayWorkerGroup(WorkerGroup):
     """``world_size`` Ray actors of ``role``, each building its worker with ``make_worker()``.
 
     ``liveness_timeout_s`` bounds how long a rank may go without answering a liveness check while the
-    driver waits for it (``trainer.worker_timeout_s``); 0 waits as long as the rank takes.
+    driver waits for it (``trainer.worker_timeout_s``); 0 waits as long as the rank takes. ``resources``
+    are the Ray resources each rank asks for (``rank_demand``).
 
     The group is ready when the constructor returns. With ``wait=False`` the ranks' processes are only
     asked for; ``start_together`` then brings several groups up side by side (their processes start,
@@ -268,14 +287,13 @@ class RayWorkerGroup(WorkerGroup):
         device: str = "cpu",
         liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
         wait: bool = True,
+        resources: Mapping[str, float] | None = None,
     ):
         ray = ensure_ray(address)
         self.role, self.world_size = role, world_size
         self.liveness_timeout_s = liveness_timeout_s
-        # One GPU per rank on CUDA: Ray then makes that GPU the rank's only visible one (cuda:0).
-        gpus = 1 if device.startswith("cuda") else 0
         remote = ray.remote(
-            num_cpus=0, num_gpus=gpus, max_restarts=0, concurrency_groups={LIVENESS_GROUP: 1}
+            max_restarts=0, concurrency_groups={LIVENESS_GROUP: 1}, **rank_options(device, resources)
         )(_Rank)
         self.actors = [remote.remote(role, rank, world_size) for rank in range(world_size)]
         #: Each rank's process id and node address, once it started.

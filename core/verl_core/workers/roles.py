@@ -34,6 +34,7 @@ from verl_core.workers.dispatch import (
 )
 from verl_core.workers.group import WorkerGroup
 from verl_core.workers.ranks import ActorWorker, CriticWorker, SFTWorker
+from verl_core.workers.replicas import PublishedWeights
 
 
 class Role:
@@ -110,6 +111,11 @@ class Actor(Role):
 
     def sync_weights(self) -> None:
         self.group.call(ActorWorker.sync_weights)
+
+    def publish_weights(self) -> PublishedWeights:
+        """The policy's weights on their way to separate rollout replicas (``ActorWorker.publish_weights``:
+        checked buckets, in Ray's object store under Ray), gathered from the ranks."""
+        return next(result for result in self.group.call(ActorWorker.publish_weights) if result is not None)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The policy's full weights (Hugging Face names, on the CPU), gathered from the ranks."""

@@ -1,0 +1,148 @@
+"""Rollout replicas: the rollout in processes of its own (``rollout.placement=separate``).
+
+Colocated, the rollout lives in the actor's processes: it generates while their engines wait, and takes
+the weights in memory. Separate, each of ``rollout.replicas`` processes holds a rollout alone (a Ray
+actor asking for ``rollout.replica_resources``; with ``trainer.workers=in_process``, a worker in the
+driver's process), so that generation can run while the actor trains (``async_training``).
+
+A generation's prompts are split over the replicas as over DP ranks (``Actor.generate``: contiguous
+shares, each seeded by ``derive_seed("rollout", seed, replica)``), so that ``n`` replicas generate
+what ``n`` colocated DP ranks do, token for token. The weights travel as the checked buckets of rollout
+contract 2 (``verl_core.rollout.buckets``): the actor's output rank packs them (``publish_weights``);
+under Ray each bucket goes into Ray's object store once, on the actor's node, and every replica fetches
+it from there (across nodes, Ray's object transfer); in process the buckets are handed over as they
+are. Each replica checks every bucket (``update_weights_from_buckets``) and records the policy version
+it holds.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tensordict import TensorDict
+
+from verl_core.data.batch import concat_batches
+from verl_core.engine.topology import Topology
+from verl_core.hookspecs import Kind
+from verl_core.rollout.base import SamplingParams
+from verl_core.rollout.buckets import WeightBucket
+from verl_core.seeds import derive_seed
+from verl_core.workers.dispatch import contiguous_shards
+from verl_core.workers.group import WorkerGroup
+
+#: The weights of one policy version on their way to the replicas: ``WeightBucket`` s in process, or
+#: references to them in Ray's object store.
+PublishedWeights = list[Any]
+
+
+def publish_buckets(buckets: Iterable[WeightBucket], object_store: bool) -> PublishedWeights:
+    """``buckets`` ready to travel: each put into Ray's object store (this process owns them; a
+    reference goes to the driver and on to the replicas), or kept as they are (in process)."""
+    if not object_store:
+        return list(buckets)
+    import ray
+
+    return [ray.put(bucket) for bucket in buckets]
+
+
+def received_buckets(published: PublishedWeights) -> Iterator[WeightBucket]:
+    """The buckets of ``published``, fetched one at a time (a replica holds about one bucket of the
+    stream besides its model)."""
+    for item in published:
+        if isinstance(item, WeightBucket):
+            yield item
+        else:
+            import ray
+
+            yield ray.get(item)
+
+
+def replica_device(config: Any) -> str:
+    """A replica computes on CUDA where it asks for a GPU (Ray makes it the only visible one)."""
+    return "cuda" if config.rollout.replica_resources.get("GPU", 0) > 0 else "cpu"
+
+
+class RolloutReplicaWorker:
+    """One replica: a rollout of ``rollout.backend`` alone in its process, and the policy version of
+    its weights (``None`` until a version arrives: the weights it loaded from ``actor.engine.model``)."""
+
+    def __init__(self, config: Any, registry: Any = None):
+        from verl_core.plugins.registry import registry_or_installed
+
+        registry = registry_or_installed(registry)
+        entry = registry.entry(Kind.ROLLOUT_BACKENDS, config.rollout.backend, where="rollout.backend")
+        self.rollout = entry.load("rollout")(
+            config.rollout_model, config.rollout.options, device=replica_device(config), config_path="rollout"
+        )
+        self.version: int | None = None
+
+    def initialize(self) -> Topology:
+        self.rollout.initialize()
+        return Topology(dp_rank=0, dp_size=1, is_output_rank=True)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> TensorDict:
+        return self.rollout.generate(prompts, sampling, seed)
+
+    def update_weights(self, published: PublishedWeights, version: int) -> int:
+        """Take the weights of policy ``version``; the version now held."""
+        self.rollout.update_weights_from_buckets(received_buckets(published))
+        self.version = version
+        return version
+
+
+class RolloutReplicas:
+    """The driver's handle on the replicas: one worker group per replica (a replica is independent of
+    the others: no collective joins them), called side by side from a thread each. Every call to one
+    replica holds its lock, so that the generation thread of an asynchronous run and the trainer's
+    own calls (validation) take turns on it."""
+
+    def __init__(self, groups: Sequence[WorkerGroup]):
+        self.groups = list(groups)
+        self._locks = [threading.Lock() for _ in self.groups]
+        self._pool = ThreadPoolExecutor(max_workers=len(self.groups), thread_name_prefix="rollout-replica")
+        #: The policy version the replicas hold (``None``: the weights they loaded).
+        self.version: int | None = None
+        self._each(RolloutReplicaWorker.initialize)
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> TensorDict:
+        """One response per prompt, as ``Actor.generate`` on as many DP ranks as there are replicas."""
+        if not prompts:
+            raise ValueError("generate() needs at least one prompt")
+        shares = [
+            ([prompts[i] for i in shard.tolist()], sampling, derive_seed("rollout", seed, replica))
+            for replica, shard in enumerate(contiguous_shards(len(prompts), len(self.groups)))
+        ]
+        results = self._each(RolloutReplicaWorker.generate, shares)
+        return concat_batches([part for part in results if part is not None], sampling.pad_token_id)
+
+    def update_weights(self, published: PublishedWeights, version: int) -> None:
+        """Every replica takes the weights of policy ``version``."""
+        self._each(RolloutReplicaWorker.update_weights, [(published, version)] * len(self.groups))
+        self.version = version
+
+    def shutdown(self) -> None:
+        for group in self.groups:
+            group.shutdown()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _each(self, method: Any, args: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
+        """``method`` on every replica (``args[i]`` for replica ``i``; a replica with an empty prompt
+        share is skipped, ``None``), side by side; the results in replica order. A failure raises its
+        ``WorkerError``, which names the replica."""
+        args = [()] * len(self.groups) if args is None else args
+
+        def call(replica: int) -> Any:
+            if args[replica] and isinstance(args[replica][0], list) and not args[replica][0]:
+                return None  # fewer prompts than replicas
+            with self._locks[replica]:
+                (result,) = self.groups[replica].call(method, *args[replica])
+            return result
+
+        futures = [self._pool.submit(call, replica) for replica in range(len(self.groups))]
+        return [future.result() for future in futures]

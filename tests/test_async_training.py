@@ -1,0 +1,192 @@
+"""Asynchronous training in process: separate rollout replicas, the one-step-off and async modes, the
+policy version of every sample, exact resume across a checkpoint with batches generated ahead, and the
+config's refusals.
+
+The references are the synchronous runs: a separate replica generates what the colocated rollout
+does, token for token; ``async`` with ``max_staleness=0`` is ``sync``'s run bitwise; and the staleness
+of each step's samples is the formula of ``source_version`` written out."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from fixtures.demo import run_overrides
+
+from verl_core.config import load_config
+from verl_core.data.batch import RESPONSE_MASK, ROLLOUT_POLICY_VERSIONS
+from verl_core.errors import ConfigError
+from verl_core.trainer.asynchronous import source_version
+from verl_core.trainer.rl import RLTrainer
+
+torch.set_num_threads(1)
+
+SEPARATE = {"rollout.placement": "separate"}
+#: What differs between two runs of the same computation: wall times and what follows from them.
+TIMING_PREFIXES = ("timing/", "perf/", "async/overlap", "async/buffer_depth")
+
+
+def trainer_for(demo, tmp_path, **changes) -> RLTrainer:
+    config = load_config([], run_overrides(demo, tmp_path, **changes))
+    return RLTrainer.from_config(config, show_progress=False)
+
+
+def run(demo, tmp_path, **changes) -> dict[int, dict[str, float]]:
+    trainer = trainer_for(demo, tmp_path, **changes)
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    return read_metrics(tmp_path)
+
+
+def read_metrics(tmp_path) -> dict[int, dict[str, float]]:
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    return {record["step"]: record for record in map(json.loads, lines)}
+
+
+def computed(records: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    """The metrics a computation determines: every one but the timings, and no ``async/*`` (a
+    synchronous run logs none)."""
+    return {
+        step: {
+            key: value
+            for key, value in record.items()
+            if not key.startswith(TIMING_PREFIXES) and not key.startswith("async/")
+        }
+        for step, record in records.items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("step", "staleness", "first_step", "save_freq", "expected"),
+    [
+        (1, 0, 0, 0, 0),  # sync: the policy before the step
+        (5, 0, 0, 0, 4),
+        (1, 2, 0, 0, 0),  # nothing older than the start
+        (5, 2, 0, 0, 2),
+        (5, 2, 3, 0, 3),  # nor than a resume point
+        (5, 2, 0, 4, 4),  # the batch after a checkpoint: the checkpoint's weights
+        (6, 3, 0, 4, 4),
+        (9, 1, 0, 4, 8),
+        (8, 3, 0, 4, 4),
+    ],
+)
+def test_source_version_is_the_staleness_behind_and_never_before_a_barrier(
+    step, staleness, first_step, save_freq, expected
+) -> None:
+    assert source_version(step, staleness, first_step, save_freq) == expected
+
+
+def test_a_separate_replica_trains_as_the_colocated_rollout_bitwise(demo, tmp_path) -> None:
+    changes = {"trainer.total_training_steps": 2, "trainer.test_freq": 1}
+    colocated = run(demo, tmp_path / "colocated", **changes)
+    separate = run(demo, tmp_path / "separate", **changes | SEPARATE)
+    assert computed(separate) == computed(colocated)
+
+
+def test_async_with_no_staleness_is_the_sync_run_bitwise(demo, tmp_path) -> None:
+    changes = SEPARATE | {"trainer.total_training_steps": 3, "trainer.test_freq": 2}
+    sync = run(demo, tmp_path / "sync", **changes)
+    asynchronous = run(
+        demo,
+        tmp_path / "async",
+        **changes | {"async_training.mode": "async", "async_training.max_staleness": 0},
+    )
+    assert computed(asynchronous) == computed(sync)
+    assert all(asynchronous[step]["async/staleness/max"] == 0 for step in (1, 2, 3))
+
+
+def test_each_sample_is_as_stale_as_its_mode_says_and_the_engine_recomputes_old_log_probs(
+    demo, tmp_path
+) -> None:
+    trainer = trainer_for(
+        demo,
+        tmp_path,
+        **SEPARATE | {"async_training.mode": "async", "async_training.max_staleness": 2},
+        **{"trainer.total_training_steps": 4},
+    )
+    recomputed = []
+    compute = trainer.actor.compute_log_probs
+    trainer.actor.compute_log_probs = lambda batch: recomputed.append(len(batch)) or compute(batch)
+    versions = []
+    train_step = trainer.train_step
+
+    def remember_versions(step):
+        metrics = train_step(step)
+        batch = trainer.last_batch
+        versions.append(set(batch[ROLLOUT_POLICY_VERSIONS][batch[RESPONSE_MASK].bool()].tolist()))
+        return metrics
+
+    trainer.train_step = remember_versions
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # Batch s comes from version max(s - 3, 0): 0, 0, 0, 1; it trains the policy of version s - 1.
+    assert versions == [{0}, {0}, {0}, {1}]
+    assert [record["async/staleness/max"] for record in records] == [0, 1, 2, 2]
+    assert [record["async/staleness/2"] for record in records] == [0, 0, 1, 1]
+    assert len(recomputed) == 4  # decoupled PPO: the proximal policy's log-probs, every step
+
+
+def test_async_resumes_exactly_from_a_checkpoint_taken_with_the_next_batch_generated(demo, tmp_path) -> None:
+    changes = SEPARATE | {
+        "async_training.mode": "async",
+        "async_training.max_staleness": 2,
+        "trainer.save_freq": 2,
+        "trainer.total_training_steps": 4,
+    }
+    straight = trainer_for(demo, tmp_path / "straight", **changes)
+    # The checkpoint of step 2 is saved once batch 3 is generated (its prompts drawn, its samples
+    # scored): what the checkpoint keeps must be step 2's, not the generation thread's.
+    generated = {}
+    collect, save = straight.collect, straight.save_checkpoint
+
+    def collect_and_tell(step):
+        collected = collect(step)
+        generated[step] = threading.Event()
+        generated[step].set()
+        return collected
+
+    def save_after_the_next_batch(step):
+        while step == 2 and 3 not in generated:
+            time.sleep(0.01)
+        return save(step)
+
+    straight.collect, straight.save_checkpoint = collect_and_tell, save_after_the_next_batch
+    try:
+        straight.fit()
+    finally:
+        straight.shutdown()
+    expected = computed(read_metrics(tmp_path / "straight"))
+    checkpoint = tmp_path / "straight" / "checkpoints" / "global_step_2"
+    resumed = run(
+        demo,
+        tmp_path / "resumed",
+        **changes | {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": str(checkpoint)},
+    )
+    assert sorted(resumed) == [3, 4]
+    assert computed(resumed)[3] == expected[3]
+    assert computed(resumed)[4] == expected[4]
+
+
+@pytest.mark.parametrize(
+    ("changes", "key", "words"),
+    [
+        ({"async_training.mode": "one_step_off"}, "async_training.mode", "rollout.placement=separate"),
+        ({"async_training.max_staleness": -1}, "async_training.max_staleness", ">= 0"),
+        ({"async_training.max_staleness": 1.5}, "async_training.max_staleness", "int"),
+        ({"async_training.mode": "later"}, "async_training.mode", "one_step_off"),
+        ({"rollout.replicas": 0}, "rollout.replicas", "> 0"),
+        ({"rollout.replica_resources": "{CPU: -1}"}, "rollout.replica_resources.CPU", ">= 0"),
+    ],
+)
+def test_bad_async_settings_are_refused_at_their_key(demo, tmp_path, changes, key, words) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config([], run_overrides(demo, tmp_path, **changes))
+    assert any(path == key and words in message for path, message in error.value.errors), error.value.errors

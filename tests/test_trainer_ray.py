@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from fixtures.demo import run_overrides
+from fixtures.processes import stop_processes_mentioning
 
 from verl_core.config import load_config
 from verl_core.trainer.rl import RLTrainer
@@ -196,24 +197,6 @@ def test_a_stopped_then_a_killed_worker_end_the_run_naming_the_role_and_rank_and
             os.kill(pid, signal.SIGKILL)
         trainer.shutdown()
     assert [step for step, _ in checkpoints.complete_checkpoints(tmp_path / "checkpoints")] == [1]
-
-
-def stop_processes_mentioning(marker: str) -> None:
-    """Kill every process whose command line or environment contains ``marker`` (the head's temp
-    folder: Ray renames its processes, but they inherit the environment ``ray start`` got)."""
-    import os
-    import signal
-    from pathlib import Path
-
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            seen = (proc / "cmdline").read_bytes() + (proc / "environ").read_bytes()
-            if marker.encode() in seen:
-                os.kill(int(proc.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            continue
 
 
 def test_two_steps_on_a_ray_cluster_started_with_ray_start_in_another_folder_with_relative_paths(

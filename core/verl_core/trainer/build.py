@@ -7,7 +7,7 @@ from typing import Any
 import attrs
 
 from verl_core.config.engine import ModelConfig
-from verl_core.config.paths import absolute_paths
+from verl_core.config.paths import absolute_path, absolute_paths
 from verl_core.config.run import RunConfig
 from verl_core.errors import ConfigError
 from verl_core.workers.group import InProcessWorkerGroup, WorkerGroup
@@ -192,6 +192,8 @@ def build_roles(config: RunConfig, registry: Any = None) -> Roles:
                 groups += worker_groups(config, [spec])
         else:
             groups = worker_groups(config, specs)
+        if config.trainer.workers == "ray":
+            check_shared_folders(config, groups[: 2 if config.critic.enable else 1])
         # Group shutdowns are idempotent: on a failure below, every group is released once more.
         actor = Actor(groups[0])
         critic = Critic(groups[1]) if config.critic.enable else None
@@ -201,6 +203,28 @@ def build_roles(config: RunConfig, registry: Any = None) -> Roles:
             group.shutdown()
         raise
     return Roles(actor, critic, replicas)
+
+
+def check_shared_folders(config: RunConfig, groups: list[Any]) -> None:
+    """On a cluster of several nodes, the folders the ranks of ``groups`` write into (checkpoint shards,
+    the export) must be the driver's: a ``ConfigError`` at the key of a folder a node does not see
+    (``verl_core.workers.shared_files``)."""
+    from verl_core.workers.placement import cluster_nodes
+    from verl_core.workers.ray_group import ensure_ray
+    from verl_core.workers.shared_files import unshared_folders, writing_nodes
+
+    ray = ensure_ray(config.trainer.ray_address)
+    if len(cluster_nodes(ray)) < 2:
+        return
+    trainer = config.trainer
+    folders = {}
+    if trainer.save_freq:
+        folders["trainer.checkpoint_dir"] = absolute_path(trainer.checkpoint_dir)
+    if trainer.save_hf_model:
+        folders["trainer.run_dir"] = absolute_path(trainer.run_dir)
+    problems = unshared_folders(ray, folders, writing_nodes(groups)) if folders else []
+    if problems:
+        raise ConfigError(problems)
 
 
 class WorkerMaker:

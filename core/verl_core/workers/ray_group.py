@@ -222,9 +222,10 @@ class _Rank:
         # ends the rank quietly, without the stack dump of Ray's native handler reaching the console.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
-    def start(self) -> tuple[int, str, int | None]:
-        """This rank's process id and node address; rank 0 also opens the rendezvous store's socket
-        on that address alone (not on every interface, as the store would) and returns its port."""
+    def start(self) -> tuple[int, str, str, int | None]:
+        """This rank's process id, node address and Ray node id; rank 0 also opens the rendezvous
+        store's socket on that address alone (not on every interface, as the store would) and returns
+        its port."""
         import ray
 
         host = ray.util.get_node_ip_address()
@@ -233,7 +234,7 @@ class _Rank:
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             self._listener = socket.create_server((host, 0), family=family, backlog=128)
             port = self._listener.getsockname()[1]
-        return os.getpid(), host, port
+        return os.getpid(), host, ray.get_runtime_context().get_node_id(), port
 
     def alive(self) -> int:
         """Answered by the liveness thread while the rank works: its process id."""
@@ -298,6 +299,8 @@ class RayWorkerGroup(WorkerGroup):
         self.actors = [remote.remote(role, rank, world_size) for rank in range(world_size)]
         #: Each rank's process id and node address, once it started.
         self.processes: list[tuple[int, str]] = []
+        #: Each rank's Ray node id, once it started.
+        self.nodes: list[str] = []
         self._pings: dict[int, Any] = {}  # rank: its unanswered liveness check
         self._last_ping: dict[int, float] = {}  # rank: when it was last asked
         self._heard: dict[int, float] = {}  # rank: when it last answered
@@ -311,8 +314,9 @@ class RayWorkerGroup(WorkerGroup):
     def _begin_setup(self) -> None:
         """Wait for the ranks' processes; ask each to join the process group and build its worker."""
         started = self._wait(self._starting, liveness_timeout_s=0)
-        self.processes = [(pid, host) for pid, host, _ in started]
-        _, host, port = started[0]
+        self.processes = [(pid, host) for pid, host, _, _ in started]
+        self.nodes = [node for _, _, node, _ in started]
+        _, host, _, port = started[0]
         make_worker, device = self._make_worker, self._device
         self._setting_up = [actor.setup.remote(host, port, make_worker, device) for actor in self.actors]
 
@@ -372,12 +376,29 @@ class RayWorkerGroup(WorkerGroup):
                     raise WorkerError(f"{self.describe(rank_of[future])} failed: {error}") from None
                 except RayActorError as error:
                     raise WorkerError(
-                        f"{self.describe(rank_of[future], process=True)} died ({type(error).__name__}); the run "
-                        "stops here, the last checkpoint is intact: fix the cause and run again to resume"
+                        f"{self.describe(rank_of[future], process=True)} died ({type(error).__name__})"
+                        f"{self._node_gone(rank_of[future])}; the run stops here, the last checkpoint is intact: "
+                        "fix the cause and run again to resume"
                     ) from error
             if pending and timeout_s > 0:
                 self._check_liveness(sorted(rank_of[future] for future in pending), timeout_s, waiting_since)
         return ray.get(futures)
+
+    def _node_gone(self, rank: int) -> str:
+        """``: its node ... is gone`` when the Ray node of ``rank`` is no longer alive (a lost machine),
+        else nothing."""
+        import ray
+
+        if rank >= len(self.nodes):
+            return ""
+        try:
+            alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+        except Exception:  # the cluster itself is unreachable: say nothing more than Ray did
+            return ""
+        node = self.nodes[rank]
+        if node in alive:
+            return ""
+        return f": its node {self.processes[rank][1]} (Ray node {node[:8]}) is gone from the cluster"
 
     def _check_liveness(self, ranks: list[int], timeout_s: float, waiting_since: float) -> None:
         """Ask each rank in ``ranks`` whether it is alive (at most every ``PING_INTERVAL_S``). A rank

@@ -8,10 +8,19 @@
   sequence at every model token. A loop that re-encodes the decoded reply (kept below) fails that check:
   the chat tokenizer merges ``a`` ``b`` into ``ab``.
 - Templates that are not append-only, and ones whose end of turn is no EOS, are refused by name.
+- ``run_requests`` (each conversation a coroutine sending its own requests) equals a reference written
+  out here: conversation after conversation, one ``generate_request`` of the real rollout per turn, the
+  environment's ids from the chat template's rendering of the whole conversation; whatever order the
+  requests are served in. A loop that shares one environment between conversations fails it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import random
+import types
+
+import attrs
 import pytest
 import torch
 from fixtures.chat import COUNTING, END, START, build_chat_model_dir, build_chat_tokenizer, scripted_generate
@@ -33,6 +42,8 @@ from verl_core.data.batch import (
 )
 from verl_core.errors import AgentError
 from verl_core.rollout.base import SamplingParams
+from verl_core.rollout.requests import RolloutRequest, one_prompt_call
+from verl_core.seeds import derive_seed
 
 TOKENIZER = build_chat_tokenizer()
 TEMPLATE = TurnTemplate(TOKENIZER, [TOKENIZER.eos_token_id])
@@ -254,17 +265,33 @@ def log_prob_mismatch(model, batch: TensorDict) -> float:
     return float((log_probs - batch[ROLLOUT_LOG_PROBS])[model_tokens].abs().max())
 
 
+def submitting(generate):
+    """``generate`` as ``run_requests``'s ``submit``: each request one call of one prompt."""
+
+    async def submit(request: RolloutRequest, session: str):
+        return request.joined(*one_prompt_call(types.SimpleNamespace(generate=generate), request))
+
+    return submit
+
+
+@pytest.mark.parametrize("path", ["run", "run_requests"])
 @pytest.mark.parametrize(("loop_class", "matches"), [(AgentLoop, True), (ReencodingLoop, False)])
-def test_rollout_log_probs_match_a_forward_pass_unless_the_loop_re_encodes(chat_model, loop_class, matches):
+def test_rollout_log_probs_match_a_forward_pass_unless_the_loop_re_encodes(
+    chat_model, loop_class, matches, path
+):
     _, model = chat_model
     answers = [[{"role": "tool", "content": "ok"}]]
     loop = loop_class(TEMPLATE, lambda c: ScriptedEnvironment(answers), AgentConfig(max_turns=2), 200)
     prompt = [{"role": "user", "content": "go"}]
     prompt_ids = encode(TEMPLATE.render(prompt, add_generation_prompt=True))
     sampled = [encode("a")[0], encode("b")[0], encode("c")[0], EOS]  # "ab" re-encodes as one token
-    batch, _ = loop.run(
-        teacher_forced_generate(model, [sampled]), [prompt_ids], [None], [prompt], SAMPLING, 0
-    )
+    generate = teacher_forced_generate(model, [sampled])
+    if path == "run":
+        batch, _ = loop.run(generate, [prompt_ids], [None], [prompt], SAMPLING, 0)
+    else:
+        batch, _ = asyncio.run(
+            loop.run_requests(submitting(generate), [prompt_ids], [None], [prompt], SAMPLING, 0)
+        )
     mismatch = log_prob_mismatch(model, batch)
     assert (mismatch < 1e-4) == matches, mismatch
 
@@ -290,3 +317,115 @@ def test_the_hf_rollout_runs_conversations_whose_log_probs_match(chat_model) -> 
         batch[ATTENTION_MASK][:, -batch[RESPONSES].shape[1] :].bool() & ~batch[RESPONSE_MASK].bool()
     )
     assert environment_tokens.any() and not batch[ROLLOUT_LOG_PROBS][environment_tokens].any()
+
+
+# -- requests: each conversation a coroutine of its own -------------------------------------------
+
+
+class SharedEnvironmentLoop(AgentLoop):
+    """Broken on purpose: one environment (the first row's) answers every conversation."""
+
+    def environments(self, rows):
+        return super().environments(rows[:1]) * len(rows)
+
+
+@pytest.fixture(scope="module")
+def hf_rollout(chat_model):
+    from verl_core.config.engine import ModelConfig
+    from verl_core.rollout.hf import HFRollout
+
+    rollout = HFRollout(ModelConfig(path=str(chat_model[0])))
+    rollout.initialize()
+    return rollout
+
+
+def sequential_reference(rollout, prompts, scripts, config, response_length, seed):
+    """Each conversation's ids, model mask and log-probs, written out: conversation after conversation,
+    one ``generate_request`` per turn (the prompt and the response so far; the seed derived from the
+    conversation's index and the turn), the environment's answers (``scripts[i][turn]``, done after the
+    last) appended as the ids after the model's in the chat template's rendering of the conversation
+    with them."""
+    results = []
+    for index, (prompt, answers) in enumerate(zip(prompts, scripts, strict=True)):
+        ids, mask, log_probs = list(prompt), [], []
+        messages = [{"role": "user", "content": "q"}]
+        for turn in range(config.max_turns):
+            room = min(response_length - len(mask), config.max_tokens_per_turn)
+            request = RolloutRequest(
+                ids,
+                attrs.evolve(SAMPLING, max_new_tokens=room),
+                derive_seed("agent-request", seed, index, turn),
+            )
+            response = asyncio.run(rollout.generate_request(request))
+            ids += response.token_ids
+            mask += [1] * len(response.token_ids)
+            log_probs += response.log_probs
+            if turn == len(answers) or turn + 1 == config.max_turns:
+                break
+            # What follows an assistant turn does not depend on its text in this (append-only) template.
+            messages.append({"role": "assistant", "content": "."})
+            before = TOKENIZER.apply_chat_template(messages, tokenize=False)
+            messages += answers[turn]
+            after = TOKENIZER.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            environment = encode(END + "\n" + after[len(before) :])
+            environment = environment[1:] if response.token_ids[-1] == EOS else environment
+            ids += environment
+            mask += [0] * len(environment)
+            log_probs += [0.0] * len(environment)
+        assert len(mask) < response_length  # the budget never binds here: nothing is cut
+        results.append((ids, mask, log_probs))
+    return results
+
+
+@pytest.mark.parametrize(
+    ("loop_class", "delays", "equal"),
+    [(AgentLoop, False, True), (AgentLoop, True, True), (SharedEnvironmentLoop, False, False)],
+    ids=["in-order", "served-in-random-order", "broken-shared-environment"],
+)
+def test_run_requests_equals_conversations_run_one_after_another(
+    hf_rollout, loop_class, delays, equal
+) -> None:
+    tool = [{"role": "tool", "content": "result 7"}]
+    scripts = [[tool, tool, tool], [], [tool], [[{"role": "user", "content": "more"}], tool]]
+    prompts = [encode(TEMPLATE.render([{"role": "user", "content": "q"}], add_generation_prompt=True))] * 4
+    config = AgentConfig(max_turns=3, max_tokens_per_turn=6)
+    loop = loop_class(TEMPLATE, lambda c: EnvironmentByRow([]), config, 120)
+    sessions: dict[str, list[tuple[int, ...]]] = {}
+    jitter = random.Random(0)
+
+    async def submit(request: RolloutRequest, session: str):
+        sessions.setdefault(session, []).append(request.prompt_ids)
+        if delays:  # another order of arrival and of completion than the conversations'
+            await asyncio.sleep(jitter.random() * 0.02)
+        response = await hf_rollout.generate_request(request)
+        if delays:
+            await asyncio.sleep(jitter.random() * 0.02)
+        return response
+
+    messages = [[{"role": "user", "content": "q"}]] * 4
+    batch, conversations = asyncio.run(loop.run_requests(submit, prompts, scripts, messages, SAMPLING, 11))
+
+    reference = sequential_reference(hf_rollout, prompts, scripts, config, 120, seed=11)
+    width = batch[RESPONSES].shape[1]
+    got = []
+    for row, prompt in enumerate(prompts):
+        real = batch[ATTENTION_MASK][row].bool()
+        length = int(real.sum()) - len(prompt)
+        got.append(
+            (
+                batch[INPUT_IDS][row][real].tolist(),
+                batch[RESPONSE_MASK][row, :length].tolist(),
+                batch[ROLLOUT_LOG_PROBS][row, :length].tolist(),
+            )
+        )
+        assert not batch[RESPONSE_MASK][row, length:].any() and length <= width
+    assert (got == reference) == equal
+    if equal:
+        assert [c.turns for c in conversations] == [3, 1, 2, 3]
+        assert [c.cut for c in conversations] == ["max_turns", None, None, None]
+        # One session per conversation, each sending its own sequence as it grows, turn after turn.
+        assert sorted(sessions) == sorted(f"11-{index}" for index in range(4))
+        for index, (ids, _, _) in enumerate(reference):
+            sent = sessions[f"11-{index}"]
+            assert len(sent) == conversations[index].turns
+            assert all(tuple(ids[: len(prompt)]) == prompt for prompt in sent)

@@ -10,7 +10,14 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from verl_core.agents.loop import CUT_MAX_TURNS, CUT_RESPONSE_LENGTH, AgentLoop, Conversation, Generate
+from verl_core.agents.loop import (
+    CUT_MAX_TURNS,
+    CUT_RESPONSE_LENGTH,
+    AgentLoop,
+    Conversation,
+    Generate,
+    Submit,
+)
 from verl_core.agents.template import TurnTemplate
 from verl_core.config.run import AgentConfig, RunConfig
 from verl_core.data.batch import ATTENTION_MASK, ENVIRONMENT_REWARDS, RESPONSE_MASK, RESPONSES
@@ -79,17 +86,28 @@ def prompt_messages(row: Any) -> list[dict[str, Any]]:
 def run_conversations(
     loop: AgentLoop, generate: Generate, rows: Sequence[Any], n: int, sampling: SamplingParams, seed: int
 ) -> tuple[TensorDict, list[Conversation]]:
-    """``n`` conversations per row, in row order: one batch with ``ENVIRONMENT_REWARDS``, and the
-    conversations (for ``conversation_metrics``)."""
+    """``n`` conversations per row, in row order, turn by turn (``AgentLoop.run``): one batch with
+    ``ENVIRONMENT_REWARDS``, and the conversations (for ``conversation_metrics``)."""
+    return _with_rewards(*loop.run(generate, *_inputs(rows, n), sampling, seed))
+
+
+async def request_conversations(
+    loop: AgentLoop, submit: Submit, rows: Sequence[Any], n: int, sampling: SamplingParams, seed: int
+) -> tuple[TensorDict, list[Conversation]]:
+    """``run_conversations``'s result, each conversation sending its own requests to ``submit``
+    (``AgentLoop.run_requests``)."""
+    return _with_rewards(*await loop.run_requests(submit, *_inputs(rows, n), sampling, seed))
+
+
+def _inputs(rows: Sequence[Any], n: int) -> tuple[list[Any], list[Any], list[list[dict[str, Any]]]]:
+    """The prompts, rows and prompt messages of ``n`` conversations per row."""
     repeated = [row for row in rows for _ in range(n)]
-    batch, conversations = loop.run(
-        generate,
-        [row.prompt_ids for row in repeated],
-        repeated,
-        [prompt_messages(row) for row in repeated],
-        sampling,
-        seed,
-    )
+    return [row.prompt_ids for row in repeated], repeated, [prompt_messages(row) for row in repeated]
+
+
+def _with_rewards(
+    batch: TensorDict, conversations: list[Conversation]
+) -> tuple[TensorDict, list[Conversation]]:
     batch[ENVIRONMENT_REWARDS] = torch.tensor(
         [float("nan") if c.reward is None else float(c.reward) for c in conversations]
     )

@@ -126,6 +126,13 @@ class AgentConfig:
     on_overflow: Literal["end", "truncate"] = "end"
     #: Seconds one tool call may run; a call that takes longer is answered with an error message.
     tool_timeout_s: float = attrs.field(default=10.0, validator=positive)
+    #: Environments that step at once, each in a thread of its own (the conversations of a step are
+    #: independent; ``step`` is synchronous user code); 1: one after another.
+    environment_threads: int = attrs.field(default=32, validator=positive)
+    #: Seconds one environment ``step`` may run before the run ends with an error naming its conversation
+    #: (a step that never returns would hold the run forever). Core's ``tools`` environment is bounded by
+    #: ``tool_timeout_s`` per call instead.
+    step_timeout_s: float = attrs.field(default=600.0, validator=positive)
 
     def ignored(self) -> Iterator[tuple[str, str]]:
         if self.environment is None and self.tools is not None:

@@ -249,3 +249,34 @@ def test_a_multi_turn_lora_run_on_two_ddp_ranks_under_ray_generates_odd_counts_o
         samples = validation_samples_path(tmp_path / "run", step).read_text().splitlines()
         turns = sorted(sum("model" in turn for turn in json.loads(line)["turns"]) for line in samples)
         assert turns == [1, 2, 2]
+
+
+def test_conversations_on_two_separate_replicas_train_one_step_off_each_on_its_replica(
+    tmp_path, monkeypatch
+) -> None:
+    """With the rollout in replicas, each conversation sends its own turns as requests to the replica
+    its session maps to: both replicas serve, and each conversation's turns all go to one replica."""
+    from verl_core.workers import replicas
+
+    served: dict[int, list[int]] = {}  # replica: the conversations (first prompts) it served
+    generate_request = replicas.RolloutReplicas.generate_request
+
+    async def record(self, request, session):
+        served.setdefault(self.replica_for(session), []).append(session)
+        return await generate_request(self, request, session)
+
+    monkeypatch.setattr(replicas.RolloutReplicas, "generate_request", record)
+    trainer, metrics = echo_run(
+        tmp_path,
+        **{
+            "rollout.placement": "separate",
+            "rollout.replicas": 2,
+            "async_training.mode": "one_step_off",
+            "trainer.total_training_steps": 2,
+        },
+    )
+    assert metrics["agent/turns/mean"] >= 1 and metrics["async/staleness/max"] == 1
+    assert sorted(served) == [0, 1]  # the sessions spread over both replicas
+    sessions = [set(sessions) for sessions in served.values()]
+    assert not sessions[0] & sessions[1]  # no conversation on two replicas
+    assert all(len(s) < len(v) for s, v in zip(sessions, served.values(), strict=True))  # several turns each

@@ -39,3 +39,41 @@ def test_replicas_the_cluster_cannot_hold_are_refused_before_anything_starts(
         RLTrainer.from_config(load_config([], overrides), show_progress=False)
     ((key, message),) = error.value.errors
     assert key == "rollout.replica_resources" and f"ask for {int(cpus) + 1} CPU together" in message
+
+
+def test_a_replica_under_ray_serves_requests_together_as_its_rollout_does_and_its_death_is_named(
+    demo, tmp_path, ray_cluster
+) -> None:
+    import asyncio
+    import os
+    import signal
+
+    from verl_core.rollout import RolloutRequest, SamplingParams
+    from verl_core.rollout.hf import HFRollout
+    from verl_core.trainer.build import build_roles
+    from verl_core.workers.group import WorkerError
+
+    config = load_config([], run_overrides(demo, tmp_path, **ONE_STEP_OFF))
+    roles = build_roles(config)
+    try:
+        sampling = SamplingParams(max_new_tokens=6, eos_token_ids=(0,), pad_token_id=0, temperature=1.0)
+        requests = [RolloutRequest((5 + i, 7, 9), sampling, seed=i) for i in range(4)]
+
+        async def together(serve):
+            return await asyncio.gather(
+                *(serve(request, f"session {i}") for i, request in enumerate(requests))
+            )
+
+        responses = asyncio.run(together(roles.replicas.generate_request))
+        local = HFRollout(config.rollout_model, config.rollout.options)
+        local.initialize()
+        expected = asyncio.run(together(lambda request, session: local.generate_request(request)))
+        assert [r.token_ids for r in responses] == [r.token_ids for r in expected]
+        ((pid, _),) = roles.replicas.groups[0].processes
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(
+            WorkerError, match=r"rollout replica 0 rank 0's process \(pid \d+ on [\d.]+\) died"
+        ):
+            asyncio.run(together(roles.replicas.generate_request))
+    finally:
+        roles.shutdown()

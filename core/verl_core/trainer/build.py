@@ -12,7 +12,7 @@ from verl_core.config.run import RunConfig
 from verl_core.errors import ConfigError
 from verl_core.workers.group import InProcessWorkerGroup, WorkerGroup
 from verl_core.workers.ranks import ActorWorker, CriticWorker
-from verl_core.workers.replicas import RolloutReplicas, RolloutReplicaWorker
+from verl_core.workers.replicas import REQUEST_CONCURRENCY, RolloutReplicas, RolloutReplicaWorker
 from verl_core.workers.roles import Actor, Critic
 
 #: Files that hold a tokenizer's vocabulary: a model folder needs one of them.
@@ -92,6 +92,8 @@ class GroupSpec:
     world_size: int | None = None
     resources: dict[str, float] | None = None
     resources_key: str = "trainer.world_size"
+    #: Calls a rank serves at once under Ray (``RayWorkerGroup``).
+    max_concurrency: int = 1
 
 
 def worker_group(config: RunConfig, role: str, make_worker: Any, device: str = "cpu") -> WorkerGroup:
@@ -134,6 +136,7 @@ def worker_groups(config: RunConfig, specs: list[GroupSpec]) -> list[WorkerGroup
                 liveness_timeout_s=config.trainer.worker_timeout_s,
                 wait=False,
                 resources=spec.resources,
+                max_concurrency=spec.max_concurrency,
             )
             groups.append(group)
         start_together(groups)
@@ -182,6 +185,7 @@ def build_roles(config: RunConfig, registry: Any = None) -> Roles:
                 world_size=1,
                 resources=dict(rollout.replica_resources),
                 resources_key="rollout.replica_resources",
+                max_concurrency=REQUEST_CONCURRENCY,
             )
             for replica in range(rollout.replicas)
         ]

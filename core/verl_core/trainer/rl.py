@@ -15,6 +15,7 @@ process); the trainer only ever holds whole batches and materialised results.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from verl_core.agents.session import (
     build_agent_loop,
     conversation_metrics,
     import_tools_file,
+    request_conversations,
     run_conversations,
     turns,
 )
@@ -430,6 +432,12 @@ class RLTrainer(Trainer):
         conversations: list[Conversation] = []
         if self.agent_loop is None:
             batch = self._generate(prompts, sampling, seed)
+        elif self.replicas is not None:  # each conversation on its own, on its replica, turn after turn
+            batch, conversations = asyncio.run(
+                request_conversations(
+                    self.agent_loop, self.replicas.generate_request, rows, n, sampling, seed
+                )
+            )
         else:
             batch, conversations = run_conversations(self.agent_loop, self._generate, rows, n, sampling, seed)
         batch[UID] = torch.arange(len(rows)).repeat_interleave(n)

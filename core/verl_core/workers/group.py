@@ -12,6 +12,7 @@ Ray implementation, one actor per rank forming a ``torch.distributed`` group.
 from __future__ import annotations
 
 import abc
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,6 +37,12 @@ class WorkerGroup(abc.ABC):
     def call_each(self, method: Callable[..., Any], args_per_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
         """``method(worker, *args_per_rank[rank])`` on every rank; every rank's result, in rank order."""
 
+    async def call_async(self, method: Callable[..., Any], *args: Any) -> Any:
+        """``method(worker, *args)`` on rank 0 (a group of one rank: a rollout replica), awaited without
+        blocking the event loop, while other calls of the group may run (the rank serves several at
+        once where its group allows it)."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve calls asynchronously")
+
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Release the ranks."""
@@ -56,6 +63,9 @@ class InProcessWorkerGroup(WorkerGroup):
     def call_each(self, method: Callable[..., Any], args_per_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
         (args,) = args_per_rank
         return [method(self.worker, *args)]
+
+    async def call_async(self, method: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.to_thread(method, self.worker, *args)
 
     def shutdown(self) -> None:
         self.worker = None

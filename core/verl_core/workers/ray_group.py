@@ -273,7 +273,8 @@ class RayWorkerGroup(WorkerGroup):
 
     ``liveness_timeout_s`` bounds how long a rank may go without answering a liveness check while the
     driver waits for it (``trainer.worker_timeout_s``); 0 waits as long as the rank takes. ``resources``
-    are the Ray resources each rank asks for (``rank_demand``).
+    are the Ray resources each rank asks for (``rank_demand``); ``max_concurrency`` the calls a rank
+    serves at once (each in a thread of its own; the default, one, runs them in turn).
 
     The group is ready when the constructor returns. With ``wait=False`` the ranks' processes are only
     asked for; ``start_together`` then brings several groups up side by side (their processes start,
@@ -289,12 +290,16 @@ class RayWorkerGroup(WorkerGroup):
         liveness_timeout_s: float = LIVENESS_TIMEOUT_S,
         wait: bool = True,
         resources: Mapping[str, float] | None = None,
+        max_concurrency: int = 1,
     ):
         ray = ensure_ray(address)
         self.role, self.world_size = role, world_size
         self.liveness_timeout_s = liveness_timeout_s
         remote = ray.remote(
-            max_restarts=0, concurrency_groups={LIVENESS_GROUP: 1}, **rank_options(device, resources)
+            max_restarts=0,
+            max_concurrency=max_concurrency,
+            concurrency_groups={LIVENESS_GROUP: 1},
+            **rank_options(device, resources),
         )(_Rank)
         self.actors = [remote.remote(role, rank, world_size) for rank in range(world_size)]
         #: Each rank's process id and node address, once it started.
@@ -334,6 +339,15 @@ class RayWorkerGroup(WorkerGroup):
         return self._wait(
             [actor.call.remote(method, *args) for actor, args in zip(self.actors, args_per_rank, strict=True)]
         )
+
+    async def call_async(self, method: Callable[..., Any], *args: Any) -> Any:
+        """See ``WorkerGroup.call_async``; failures are ``_wait``'s ``WorkerError`` s, naming the rank."""
+        future = self.actors[0].call.remote(method, *args)
+        try:
+            return await future
+        except BaseException:
+            self._wait([future], liveness_timeout_s=0)  # raises the failure as a WorkerError
+            raise
 
     def shutdown(self) -> None:
         import ray

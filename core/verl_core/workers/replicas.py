@@ -17,7 +17,9 @@ it holds.
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -29,10 +31,13 @@ from verl_core.engine.topology import Topology
 from verl_core.hookspecs import Kind
 from verl_core.rollout.base import SamplingParams
 from verl_core.rollout.buckets import WeightBucket
+from verl_core.rollout.requests import RolloutRequest, RolloutResponse
 from verl_core.seeds import derive_seed
 from verl_core.workers.dispatch import contiguous_shards
 from verl_core.workers.group import WorkerGroup
 
+#: How many requests a replica's Ray actor serves at once (each waits in a thread of its own).
+REQUEST_CONCURRENCY = 256
 #: The weights of one policy version on their way to the replicas: ``WeightBucket`` s in process, or
 #: references to them in Ray's object store.
 PublishedWeights = list[Any]
@@ -67,7 +72,12 @@ def replica_device(config: Any) -> str:
 
 class RolloutReplicaWorker:
     """One replica: a rollout of ``rollout.backend`` alone in its process, and the policy version of
-    its weights (``None`` until a version arrives: the weights it loaded from ``actor.engine.model``)."""
+    its weights (``None`` until a version arrives: the weights it loaded from ``actor.engine.model``).
+
+    Requests (rollout contract 2) are served by the rollout's ``generate_request`` on one event loop
+    of the replica's own, so that requests sent at once from several threads (a Ray actor serving
+    ``REQUEST_CONCURRENCY`` calls at a time) are in flight together: a backend with continuous
+    batching batches them, the built-in one serves them in turn."""
 
     def __init__(self, config: Any, registry: Any = None):
         from verl_core.plugins.registry import registry_or_installed
@@ -81,7 +91,18 @@ class RolloutReplicaWorker:
 
     def initialize(self) -> Topology:
         self.rollout.initialize()
+        self._requests = asyncio.new_event_loop()
+        threading.Thread(target=self._requests.run_forever, name="rollout-requests", daemon=True).start()
         return Topology(dp_rank=0, dp_size=1, is_output_rank=True)
+
+    def generate_request(self, request: RolloutRequest) -> RolloutResponse:
+        """One request, on the replica's event loop (see the class docstring)."""
+        return asyncio.run_coroutine_threadsafe(
+            self.rollout.generate_request(request), self._requests
+        ).result()
+
+    def abort(self, request_id: str) -> None:
+        asyncio.run_coroutine_threadsafe(self.rollout.abort(request_id), self._requests).result()
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams, seed: int) -> TensorDict:
         return self.rollout.generate(prompts, sampling, seed)
@@ -120,6 +141,17 @@ class RolloutReplicas:
         ]
         results = self._each(RolloutReplicaWorker.generate, shares)
         return concat_batches([part for part in results if part is not None], sampling.pad_token_id)
+
+    def replica_for(self, session: str) -> int:
+        """The replica that serves every request of ``session`` (a conversation): the same one each
+        turn, so that its prefix cache holds the conversation; the sessions spread evenly."""
+        return zlib.crc32(session.encode()) % len(self.groups)
+
+    async def generate_request(self, request: RolloutRequest, session: str) -> RolloutResponse:
+        """``request`` on the replica of ``session`` (``replica_for``); requests in flight together are
+        served together (``RolloutReplicaWorker``). A ``submit`` for ``AgentLoop.run_requests``."""
+        replica = self.replica_for(session)
+        return await self.groups[replica].call_async(RolloutReplicaWorker.generate_request, request)
 
     def update_weights(self, published: PublishedWeights, version: int) -> None:
         """Every replica takes the weights of policy ``version``."""

@@ -348,6 +348,12 @@ class AsyncTrainingConfig:
     #: In ``async`` mode, how many policy versions behind the trained policy the samples are (exactly:
     #: batch ``s`` comes from version ``s - 1 - max_staleness``, see above); 0 is ``sync``'s run, bitwise.
     max_staleness: int = attrs.field(default=1, validator=non_negative)
+    #: Partial rollouts: the responses still generating when newer weights are published are aborted
+    #: and resumed under them (each token keeps the version that generated it), and each batch starts
+    #: from the newest weights it may use, so a batch is at most, not exactly, the staleness behind. The
+    #: run then depends on timing: it is not reproducible, and resume is not exact. Needs a rollout backend
+    #: that declares ``abort_resume``; single-turn rollouts only.
+    partial_rollout: bool = False
 
     @property
     def staleness(self) -> int:
@@ -355,6 +361,11 @@ class AsyncTrainingConfig:
         return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
 
     def ignored(self) -> Iterator[tuple[str, str]]:
+        if self.mode == "sync" and self.partial_rollout:
+            yield (
+                "partial_rollout",
+                "ignored: async_training.mode is 'sync', whose batches never wait for weights",
+            )
         if self.mode != "async" and self.max_staleness != 1:
             yield (
                 "max_staleness",
@@ -464,6 +475,7 @@ class RunConfig:
             self._rollout_generates_in_its_dtype,
             self._bypass_recomputes_nothing,
             self._off_policy_needs_separate_rollout,
+            self._partial_rollouts_abort_and_resume,
         )
 
     def _mini_batches_divide_the_batch(self) -> Iterator[tuple[str, str]]:
@@ -533,6 +545,27 @@ class RunConfig:
                 "trainer.recompute_old_log_probs",
                 "contradicts actor.policy_loss.rollout_correction.bypass_mode, which takes the rollout's "
                 "log-probs as the old ones instead of recomputing them: set one of the two to false",
+            )
+
+    def _partial_rollouts_abort_and_resume(self) -> Iterator[tuple[str, str]]:
+        if not self.async_training.partial_rollout or self.async_training.mode == "sync":
+            return
+        if self.rollout.agent.environment is not None:
+            yield (
+                "async_training.partial_rollout",
+                "not available with multi-turn rollouts (rollout.agent) yet: a conversation's turns would need "
+                "resuming across a weight update; set it to false",
+            )
+        try:
+            backend = current_registry().get(Kind.ROLLOUT_BACKENDS, self.rollout.backend)
+        except VerlCoreError:
+            return  # an unknown backend is reported at rollout.backend
+        if not backend.capabilities.abort_resume:
+            yield (
+                "async_training.partial_rollout",
+                f"rollout backend '{self.rollout.backend}' does not declare abort_resume (stopping a request "
+                "between decoding steps and returning its tokens), which partial rollouts need: choose a "
+                "backend that does (hf, vllm), or set it to false",
             )
 
     def _off_policy_needs_separate_rollout(self) -> Iterator[tuple[str, str]]:

@@ -69,11 +69,13 @@ class GenerationPipeline:
         total_steps: int,
         staleness: int,
         save_freq: int,
+        partial_rollout: bool = False,
     ):
         self._collect = collect
         self.replicas = replicas
         self.first_step, self.total_steps = first_step, total_steps
         self.staleness, self.save_freq = staleness, save_freq
+        self.partial_rollout = partial_rollout
         self._weights: dict[int, PublishedWeights] = {}
         self._ready: dict[int, ReadyBatch] = {}
         self._failure: BaseException | None = None
@@ -117,6 +119,13 @@ class GenerationPipeline:
         with self._replicas_turn:
             yield
 
+    def newer(self, step: int, current: int | None) -> tuple[int, PublishedWeights] | None:
+        """With partial rollouts: the newest published weights that batch ``step`` may move to (newer
+        than ``current``, not newer than the policy it trains), or None."""
+        with self._changed:
+            usable = [v for v in self._weights if (current is None or v > current) and v <= step - 1]
+            return (max(usable), self._weights[max(usable)]) if usable else None
+
     def weights(self, version: int) -> PublishedWeights:
         """The published weights of ``version`` (the newest are kept until a newer one is needed)."""
         with self._changed:
@@ -143,6 +152,8 @@ class GenerationPipeline:
                         self._changed.wait()
                     if self._stopping:
                         return
+                    if self.partial_rollout:  # the newest weights the batch may use, from the start
+                        version = max(v for v in self._weights if version <= v <= step - 1)
                     weights = self._weights[version]
                     for old in [old for old in self._weights if old < version]:
                         del self._weights[old]  # no later batch needs it

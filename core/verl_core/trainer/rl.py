@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -317,7 +317,7 @@ class RLTrainer(Trainer):
             rows = self.train_data.select(sampled.indices)
             seed = derive_seed("generation", self.config.trainer.seed, step, rounds)
             with timer.phase("generate"):
-                batch, round_conversations = self._rollout(rows, self.sampling, seed=seed)
+                batch, round_conversations = self._rollout(rows, self.sampling, seed, newer=self._newer(step))
             conversations += round_conversations
             with timer.phase("reward"):
                 batch[SCORES], metrics = self.score(batch, rows)
@@ -348,8 +348,9 @@ class RLTrainer(Trainer):
         if conversations:  # multi-turn: over every round's conversations, as the reward metrics
             reward_metrics |= conversation_metrics(conversations)
         # Colocated, the rollout holds the policy as the last step left it.
-        version = self.replicas.version if self.replicas is not None else step - 1
-        merged[ROLLOUT_POLICY_VERSIONS] = torch.full(merged[RESPONSES].shape, version, dtype=torch.int64)
+        if ROLLOUT_POLICY_VERSIONS not in merged.keys():  # partial rollouts tagged theirs token by token
+            version = self.replicas.version if self.replicas is not None else step - 1
+            merged[ROLLOUT_POLICY_VERSIONS] = torch.full(merged[RESPONSES].shape, version, dtype=torch.int64)
         return Collected(merged, epoch, rounds, reward_metrics, self.sampler.state_dict(), timer.metrics())
 
     # -- the weights, and the generation thread --------------------------------------------------
@@ -379,6 +380,7 @@ class RLTrainer(Trainer):
                 total_steps=self.total_steps,
                 staleness=mode.staleness,
                 save_freq=self.config.trainer.save_freq,
+                partial_rollout=mode.partial_rollout,
             )
             self.pipeline.start()
         try:
@@ -386,6 +388,13 @@ class RLTrainer(Trainer):
             return super()._train()
         finally:
             self._stop_pipeline()
+
+    def _newer(self, step: int) -> Callable[[], Any] | None:
+        """What offers batch ``step`` newer weights while it generates, with partial rollouts."""
+        if self.pipeline is None or not self.pipeline.partial_rollout:
+            return None
+        pipeline, replicas = self.pipeline, self.replicas
+        return lambda: pipeline.newer(step, replicas.version)
 
     def _stop_pipeline(self) -> None:
         if self.pipeline is not None:
@@ -424,13 +433,21 @@ class RLTrainer(Trainer):
         return self._rollout(rows, sampling, seed, n)[0]
 
     def _rollout(
-        self, rows: list[PromptRow], sampling: SamplingParams, seed: int, n: int | None = None
+        self,
+        rows: list[PromptRow],
+        sampling: SamplingParams,
+        seed: int,
+        n: int | None = None,
+        newer: Callable[[], Any] | None = None,
     ) -> tuple[TensorDict, list[Conversation]]:
-        """``generate``'s batch, and its conversations with an agent loop (none without)."""
+        """``generate``'s batch, and its conversations with an agent loop (none without); with ``newer``,
+        partial rollouts that move to the newer weights it offers (``RolloutReplicas.generate_resumable``)."""
         n = self.n if n is None else n
         prompts = [row.prompt_ids for row in rows for _ in range(n)]
         conversations: list[Conversation] = []
-        if self.agent_loop is None:
+        if newer is not None:
+            batch = asyncio.run(self.replicas.generate_resumable(prompts, sampling, seed, newer))
+        elif self.agent_loop is None:
             batch = self._generate(prompts, sampling, seed)
         elif self.replicas is not None:  # each conversation on its own, on its replica, turn after turn
             batch, conversations = asyncio.run(

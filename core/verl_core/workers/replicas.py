@@ -20,24 +20,34 @@ from __future__ import annotations
 import asyncio
 import threading
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import attrs
+import torch
 from tensordict import TensorDict
 
-from verl_core.data.batch import concat_batches
+from verl_core.data.batch import (
+    ROLLOUT_LOG_PROBS,
+    ROLLOUT_POLICY_VERSIONS,
+    concat_batches,
+    join_prompts_and_responses,
+    left_pad,
+)
 from verl_core.engine.topology import Topology
 from verl_core.hookspecs import Kind
 from verl_core.rollout.base import SamplingParams
 from verl_core.rollout.buckets import WeightBucket
-from verl_core.rollout.requests import RolloutRequest, RolloutResponse
+from verl_core.rollout.requests import FinishReason, RolloutRequest, RolloutResponse
 from verl_core.seeds import derive_seed
 from verl_core.workers.dispatch import contiguous_shards
 from verl_core.workers.group import WorkerGroup
 
 #: How many requests a replica's Ray actor serves at once (each waits in a thread of its own).
 REQUEST_CONCURRENCY = 256
+#: How often partial rollouts look for newer weights while requests are in flight, in seconds.
+RESUMABLE_POLL_S = 0.05
 #: The weights of one policy version on their way to the replicas: ``WeightBucket`` s in process, or
 #: references to them in Ray's object store.
 PublishedWeights = list[Any]
@@ -153,6 +163,66 @@ class RolloutReplicas:
         replica = self.replica_for(session)
         return await self.groups[replica].call_async(RolloutReplicaWorker.generate_request, request)
 
+    async def abort(self, request_id: str, session: str) -> None:
+        """Abort ``request_id``, in flight on the replica of ``session``."""
+        await self.groups[self.replica_for(session)].call_async(RolloutReplicaWorker.abort, request_id)
+
+    async def generate_resumable(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        seed: int,
+        newer: Callable[[], tuple[int, PublishedWeights] | None],
+    ) -> TensorDict:
+        """One response per prompt, each a request (partial rollouts, ``async_training.partial_rollout``):
+        whenever ``newer()`` offers newer weights while requests are in flight, every request in flight
+        is aborted, the replicas take the weights, and the requests resume from their partial responses
+        (``RolloutRequest.resume_from``). The batch contract of ``generate``, plus
+        ``ROLLOUT_POLICY_VERSIONS``: each token's policy version (a resumed response has the versions its
+        parts were generated with)."""
+        ids = [f"{seed}-{index}" for index in range(len(prompts))]
+        requests = [
+            RolloutRequest(
+                tuple(prompt), sampling, seed=derive_seed("rollout", seed, index), request_id=ids[index]
+            )
+            for index, prompt in enumerate(prompts)
+        ]
+        versions: list[list[tuple[int, int]]] = [
+            [(0, self.version or 0)] for _ in prompts
+        ]  # (from token, version)
+        finished: dict[int, RolloutResponse] = {}
+        while len(finished) < len(requests):
+            flying = {
+                index: asyncio.ensure_future(self.generate_request(requests[index], ids[index]))
+                for index in range(len(requests))
+                if index not in finished
+            }
+            offer = None
+            while offer is None and not all(task.done() for task in flying.values()):
+                await asyncio.wait(
+                    flying.values(), timeout=RESUMABLE_POLL_S, return_when=asyncio.FIRST_COMPLETED
+                )
+                offer = newer() if not all(task.done() for task in flying.values()) else None
+            if offer is not None:
+                await asyncio.gather(
+                    *(self.abort(ids[i], ids[i]) for i, task in flying.items() if not task.done())
+                )
+            for index, task in flying.items():
+                response = await task
+                if response.finish_reason is FinishReason.ABORTED:
+                    requests[index] = attrs.evolve(requests[index], resume_from=response)
+                else:
+                    finished[index] = response
+            if offer is not None:
+                version, published = offer
+                await asyncio.to_thread(self.update_weights, published, version)
+                for index in range(len(requests)):
+                    if index not in finished:
+                        versions[index].append((len(requests[index].generated), version))
+        return responses_batch(
+            prompts, [finished[index] for index in range(len(requests))], versions, sampling.pad_token_id
+        )
+
     def update_weights(self, published: PublishedWeights, version: int) -> None:
         """Every replica takes the weights of policy ``version``."""
         self._each(RolloutReplicaWorker.update_weights, [(published, version)] * len(self.groups))
@@ -178,3 +248,30 @@ class RolloutReplicas:
 
         futures = [self._pool.submit(call, replica) for replica in range(len(self.groups))]
         return [future.result() for future in futures]
+
+
+def responses_batch(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[RolloutResponse],
+    versions: Sequence[Sequence[tuple[int, int]]],
+    pad_token_id: int,
+) -> TensorDict:
+    """The batch contract of ``prompts`` and their ``responses``, with ``ROLLOUT_LOG_PROBS`` and
+    ``ROLLOUT_POLICY_VERSIONS`` (each response's ``versions``: ``(first token, version)`` in order)."""
+    prompt_ids, prompt_mask = left_pad([list(prompt) for prompt in prompts], pad_token_id)
+    width = max(1, *(len(response.token_ids) for response in responses))
+    response_ids = torch.full((len(responses), width), pad_token_id, dtype=torch.int64)
+    response_mask = torch.zeros(len(responses), width, dtype=torch.int64)
+    log_probs = torch.zeros(len(responses), width)
+    tagged = torch.zeros(len(responses), width, dtype=torch.int64)
+    for row, (response, parts) in enumerate(zip(responses, versions, strict=True)):
+        length = len(response.token_ids)
+        response_ids[row, :length] = torch.tensor(response.token_ids, dtype=torch.int64)
+        response_mask[row, :length] = 1
+        log_probs[row, :length] = torch.tensor(response.log_probs)
+        for start, version in parts:
+            tagged[row, start:] = version
+    batch = join_prompts_and_responses(prompt_ids, prompt_mask, response_ids, response_mask)
+    batch[ROLLOUT_LOG_PROBS] = log_probs
+    batch[ROLLOUT_POLICY_VERSIONS] = tagged
+    return batch

@@ -70,6 +70,12 @@ def test_a_replica_under_ray_serves_requests_together_as_its_rollout_does_and_it
         expected = asyncio.run(together(lambda request, session: local.generate_request(request)))
         assert [r.token_ids for r in responses] == [r.token_ids for r in expected]
         ((pid, _),) = roles.replicas.groups[0].processes
+        os.kill(pid, signal.SIGSTOP)  # stopped (hung): named once it has not answered for 4 s
+        roles.replicas.groups[0].liveness_timeout_s = 4
+        with pytest.raises(
+            WorkerError, match=r"rollout replica 0 rank 0 \(pid \d+ on [\d.]+\) has not answered"
+        ):
+            asyncio.run(together(roles.replicas.generate_request))
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(
             WorkerError, match=r"rollout replica 0 rank 0's process \(pid \d+ on [\d.]+\) died"

@@ -16,6 +16,7 @@ stopped or hung process) ends the wait.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import os
@@ -341,13 +342,18 @@ class RayWorkerGroup(WorkerGroup):
         )
 
     async def call_async(self, method: Callable[..., Any], *args: Any) -> Any:
-        """See ``WorkerGroup.call_async``; failures are ``_wait``'s ``WorkerError`` s, naming the rank."""
+        """See ``WorkerGroup.call_async``; failures are ``_wait``'s ``WorkerError`` s, naming the rank,
+        and so is a rank silent for ``liveness_timeout_s`` meanwhile (``_check_liveness``)."""
         future = self.actors[0].call.remote(method, *args)
-        try:
-            return await future
-        except BaseException:
+        result = asyncio.wrap_future(future.future())
+        waiting_since = time.monotonic()
+        while not result.done():
+            await asyncio.wait({result}, timeout=POLL_S)
+            if not result.done() and self.liveness_timeout_s > 0:
+                self._check_liveness([0], self.liveness_timeout_s, waiting_since)
+        if result.exception() is not None:
             self._wait([future], liveness_timeout_s=0)  # raises the failure as a WorkerError
-            raise
+        return result.result()
 
     def shutdown(self) -> None:
         import ray

@@ -190,3 +190,79 @@ def test_bad_async_settings_are_refused_at_their_key(demo, tmp_path, changes, ke
     with pytest.raises(ConfigError) as error:
         load_config([], run_overrides(demo, tmp_path, **changes))
     assert any(path == key and words in message for path, message in error.value.errors), error.value.errors
+
+
+FILES_PLUGIN = """
+from verl_core import WeightTransport, hookimpl
+
+@hookimpl
+def verl_weight_transports():
+    return [WeightTransport(name="files", transport="files_transport:FilesTransport", workers=("in_process",))]
+"""
+
+FILES_TRANSPORT = """
+import os, tempfile, torch
+from verl_core.rollout import BaseWeightTransport
+
+class FilesTransport(BaseWeightTransport):
+    '''Each bucket a file in a folder every process sees; the handle is the list of paths.'''
+
+    def publish(self, buckets):
+        folder = tempfile.mkdtemp(dir=os.environ["FILES_TRANSPORT_DIR"])
+        paths = []
+        for bucket in buckets:
+            paths.append(os.path.join(folder, f"{bucket.index}.pt"))
+            torch.save(bucket, paths[-1])
+        return paths
+
+    def receive(self, handle):
+        for path in handle:
+            yield torch.load(path, weights_only=False)
+"""
+
+
+def test_a_third_party_weight_transport_carries_the_weights_as_the_default_does(
+    demo, tmp_path, monkeypatch
+) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from fixtures.fake_dist import fake_distributions
+
+    from verl_core.plugins import Registry
+
+    changes = SEPARATE | {"trainer.total_training_steps": 2}
+    expected = computed(run(demo, tmp_path / "memory", **changes))
+    monkeypatch.setenv("FILES_TRANSPORT_DIR", str(tmp_path))
+    with fake_distributions(Path(tempfile.mkdtemp(dir=tmp_path))) as dists:
+        dists.add("verl-files", "1.0", {"files": FILES_PLUGIN}, modules={"files_transport": FILES_TRANSPORT})
+        registry = Registry.from_plugins(autoload=True)
+        overrides = run_overrides(demo, tmp_path / "files", **changes | {"rollout.weight_transport": "files"})
+        trainer = RLTrainer.from_config(load_config([], overrides, registry=registry), registry=registry)
+        try:
+            trainer.fit()
+        finally:
+            trainer.shutdown()
+    assert computed(read_metrics(tmp_path / "files")) == expected
+    published = [
+        folder for folder in tmp_path.iterdir() if folder.name.startswith("tmp") and any(folder.glob("*.pt"))
+    ]
+    assert len(published) == 3  # the start's weights and each step's
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"rollout.weight_transport": "objectstore"}, "did you mean 'object_store'"),
+        (
+            {"rollout.weight_transport": "memory", "trainer.workers": "ray"},
+            "works with trainer.workers in_process",
+        ),
+    ],
+)
+def test_a_transport_unknown_or_unfit_for_the_workers_is_refused(demo, tmp_path, changes, words) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config([], run_overrides(demo, tmp_path, **SEPARATE | changes))
+    assert any(
+        key == "rollout.weight_transport" and words in message for key, message in error.value.errors
+    ), error.value.errors

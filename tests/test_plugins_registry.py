@@ -36,6 +36,7 @@ KINDS = [
     "rollout_backends",
     "reward_functions",
     "environments",
+    "weight_transports",
 ]
 
 
@@ -376,6 +377,7 @@ def test_kind_constants_are_the_registry_kinds():
 
     constants = [hookspecs.ENGINE_BACKENDS, hookspecs.ADVANTAGE_ESTIMATORS, hookspecs.POLICY_LOSSES]
     constants += [hookspecs.ROLLOUT_BACKENDS, hookspecs.REWARD_FUNCTIONS, hookspecs.ENVIRONMENTS]
+    constants += [hookspecs.WEIGHT_TRANSPORTS]
     assert constants == Registry.from_plugins().kinds
 
 

@@ -21,6 +21,7 @@ from verl_core.descriptors import (
     RewardFunction,
     RolloutBackend,
     RolloutCapabilities,
+    WeightTransport,
 )
 from verl_core.hookspecs import ENTRY_POINT_GROUP, hookimpl
 
@@ -42,5 +43,6 @@ __all__ = [
     "RewardFunction",
     "RolloutBackend",
     "RolloutCapabilities",
+    "WeightTransport",
     "hookimpl",
 ]

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from verl_core.agents import catalog as agents_catalog
 from verl_core.algos import catalog
-from verl_core.descriptors import AdvantageEstimator, Environment, PolicyLoss, RewardFunction, RolloutBackend
+from verl_core.descriptors import (
+    AdvantageEstimator,
+    Environment,
+    PolicyLoss,
+    RewardFunction,
+    RolloutBackend,
+    WeightTransport,
+)
 from verl_core.hookspecs import hookimpl
 from verl_core.reward import catalog as reward_catalog
 from verl_core.rollout import catalog as rollout_catalog
@@ -33,3 +40,8 @@ def verl_rollout_backends() -> list[RolloutBackend]:
 @hookimpl
 def verl_environments() -> list[Environment]:
     return list(agents_catalog.ENVIRONMENTS)
+
+
+@hookimpl
+def verl_weight_transports() -> list[WeightTransport]:
+    return list(rollout_catalog.WEIGHT_TRANSPORTS)

@@ -467,3 +467,30 @@ class Environment:
 
     def load(self) -> Callable[..., Any]:
         return load_object(self.environment)
+
+
+#: Where the roles run (``trainer.workers``): what a ``WeightTransport`` declares it works with.
+WORKER_KINDS = ("ray", "in_process")
+
+
+@attrs.frozen
+class WeightTransport:
+    """A way for the trained weights to travel from the actor's output rank to separate rollout replicas
+    (``rollout.placement: separate``), selected by ``rollout.weight_transport``.
+
+    ``transport`` names a ``verl_core.rollout.BaseWeightTransport`` subclass: ``publish(buckets)`` on the
+    actor's rank returns a small picklable handle, which the driver hands to every replica, whose
+    ``receive(handle)`` yields the buckets back. ``workers`` are the ``trainer.workers`` it works with.
+    Core's built-ins: ``object_store`` (Ray's object store, across nodes) and ``memory`` (in process).
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    transport: Loadable = attrs.field(validator=_check_loadable)
+    description: str = ""
+    workers: tuple[str, ...] = attrs.field(
+        default=WORKER_KINDS, converter=_as_tuple, validator=_check_members(WORKER_KINDS)
+    )
+    override: bool = False
+
+    def load(self) -> type:
+        return load_object(self.transport)

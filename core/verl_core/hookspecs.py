@@ -19,6 +19,7 @@ from verl_core.descriptors import (
     PolicyLoss,
     RewardFunction,
     RolloutBackend,
+    WeightTransport,
 )
 
 #: The hooks; ``hookimpl`` and ``ENTRY_POINT_GROUP`` are public from ``verl_core``, ``Kind`` from
@@ -30,6 +31,7 @@ __all__ = [
     "verl_policy_losses",
     "verl_reward_functions",
     "verl_rollout_backends",
+    "verl_weight_transports",
 ]
 
 PROJECT_NAME = "verl_core"
@@ -47,6 +49,7 @@ class Kind(Choice):
     ROLLOUT_BACKENDS = "rollout_backends"
     REWARD_FUNCTIONS = "reward_functions"
     ENVIRONMENTS = "environments"
+    WEIGHT_TRANSPORTS = "weight_transports"
 
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -122,6 +125,18 @@ def verl_environments() -> list[Environment]:
     :return: a list (or tuple) of ``Environment``, selected by ``rollout.agent.environment``.
 
     Called once per plugin when the registry is built; the environment factory is imported when a run
+    selects it. Failures make the plugin ``broken``, as for ``verl_engine_backends``.
+    """
+
+
+@hookspec
+def verl_weight_transports() -> list[WeightTransport]:
+    """Return the weight transports (how the trained weights reach separate rollout replicas) this
+    plugin provides.
+
+    :return: a list (or tuple) of ``WeightTransport``, selected by ``rollout.weight_transport``.
+
+    Called once per plugin when the registry is built; the transport class is imported when a run
     selects it. Failures make the plugin ``broken``, as for ``verl_engine_backends``.
     """
 

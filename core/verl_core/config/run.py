@@ -188,6 +188,9 @@ class RolloutConfig:
     #: own (Ray actors; threads of the driver with ``trainer.workers=in_process``) that the weights travel
     #: to after every update. ``async_training`` needs ``separate``.
     placement: Literal["colocated", "separate"] = "colocated"
+    #: How the weights travel to separate replicas (``verl-core plugins --all`` lists the transports);
+    #: ``None``: ``object_store`` under Ray, ``memory`` in process.
+    weight_transport: str | None = registered(Kind.WEIGHT_TRANSPORTS, None)  # type: ignore[arg-type]
     #: Separate rollout processes; the prompts of a generation are split over them as over DP ranks.
     replicas: int = attrs.field(default=1, validator=positive)
     #: The Ray resources each replica asks for (``CPU``, ``GPU``, or a custom resource a node was
@@ -199,7 +202,7 @@ class RolloutConfig:
 
     def ignored(self) -> Iterator[tuple[str, str]]:
         if self.placement == "colocated":
-            for key in ("replicas", "replica_resources"):
+            for key in ("replicas", "replica_resources", "weight_transport"):
                 default = attrs.fields_dict(RolloutConfig)[key].default
                 default = default.factory() if isinstance(default, attrs.Factory) else default
                 if getattr(self, key) != default:
@@ -476,6 +479,7 @@ class RunConfig:
             self._bypass_recomputes_nothing,
             self._off_policy_needs_separate_rollout,
             self._partial_rollouts_abort_and_resume,
+            self._transport_works_with_the_workers,
         )
 
     def _mini_batches_divide_the_batch(self) -> Iterator[tuple[str, str]]:
@@ -566,6 +570,28 @@ class RunConfig:
                 f"rollout backend '{self.rollout.backend}' does not declare abort_resume (stopping a request "
                 "between decoding steps and returning its tokens), which partial rollouts need: choose a "
                 "backend that does (hf, vllm), or set it to false",
+            )
+
+    @property
+    def weight_transport(self) -> str:
+        """The weight transport separate replicas use: ``rollout.weight_transport``, or by default
+        ``object_store`` under Ray and ``memory`` in process."""
+        if self.rollout.weight_transport is not None:
+            return self.rollout.weight_transport
+        return "object_store" if self.trainer.workers == "ray" else "memory"
+
+    def _transport_works_with_the_workers(self) -> Iterator[tuple[str, str]]:
+        if self.rollout.placement != "separate" or self.rollout.weight_transport is None:
+            return
+        try:
+            transport = current_registry().get(Kind.WEIGHT_TRANSPORTS, self.rollout.weight_transport)
+        except VerlCoreError:
+            return  # an unknown transport is reported at its key
+        if self.trainer.workers not in transport.workers:
+            yield (
+                "rollout.weight_transport",
+                f"weight transport '{transport.name}' works with trainer.workers {', '.join(transport.workers)}, "
+                f"not {self.trainer.workers}: choose another, or leave it unset for the default",
             )
 
     def _off_policy_needs_separate_rollout(self) -> Iterator[tuple[str, str]]:

@@ -22,6 +22,8 @@ _EXPORTS = {
     "FinishReason": "verl_core.rollout.requests",
     "WeightBucket": "verl_core.rollout.buckets",
     "weight_buckets": "verl_core.rollout.buckets",
+    # how the weights reach separate replicas (a plugin kind, rollout.weight_transport)
+    "BaseWeightTransport": "verl_core.rollout.transport",
 }
 
 __all__ = sorted(_EXPORTS)

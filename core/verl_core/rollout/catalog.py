@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from verl_core.descriptors import RolloutBackend, RolloutCapabilities
+from verl_core.descriptors import RolloutBackend, RolloutCapabilities, WeightTransport
 
 #: What the built-in ``hf`` rollout does beyond contract 1 (``verl_core.rollout.hf``). Its log-probs
 #: differ from the reference's by ~1e-6 in float32 on the kit's model (the rollout kit prints the
@@ -27,5 +27,20 @@ ROLLOUT_BACKENDS: tuple[RolloutBackend, ...] = (
         description="Hugging Face causal LMs with core's own KV-cache decoding loop; weights synced in memory",
         api_version=2,
         capabilities=HF_CAPABILITIES,
+    ),
+)
+
+WEIGHT_TRANSPORTS: tuple[WeightTransport, ...] = (
+    WeightTransport(
+        name="object_store",
+        transport="verl_core.rollout.transport:ObjectStoreTransport",
+        description="each bucket put once into Ray's object store; replicas fetch it, across nodes",
+        workers=("ray",),
+    ),
+    WeightTransport(
+        name="memory",
+        transport="verl_core.rollout.transport:MemoryTransport",
+        description="the buckets handed over in the driver's process (in-process workers)",
+        workers=("in_process",),
     ),
 )

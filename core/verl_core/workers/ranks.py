@@ -47,7 +47,7 @@ from verl_core.engine.topology import Topology
 from verl_core.hookspecs import Kind
 from verl_core.rollout.base import SamplingParams
 from verl_core.rollout.buckets import weight_buckets
-from verl_core.workers.replicas import PublishedWeights, publish_buckets
+from verl_core.workers.replicas import PublishedWeights, load_transport
 
 #: The bucket size of ``ActorWorker.publish_weights`` when ``rollout.update_weights_bucket_megabytes`` is
 #: 0 (separate replicas always take checked buckets).
@@ -114,6 +114,8 @@ class ActorWorker:
         if config.uses_kl and not self.ref_in_policy:
             ref_path = "ref.engine" if config.ref.engine is not None else "actor.engine"
             self.ref = build_engine(config.ref_engine, ModelRole.LM, registry, config_path=ref_path)
+        #: How the weights travel to separate replicas (loaded when first needed).
+        self.transport = None
         #: The colocated rollout; ``None`` with ``rollout.placement=separate`` (replicas of their own
         #: generate, and take the weights from ``publish_weights``).
         self.rollout = None
@@ -183,17 +185,18 @@ class ActorWorker:
     def publish_weights(self) -> PublishedWeights | None:
         """The policy's full weights for separate rollout replicas (``verl_core.workers.replicas``): on DP
         rank 0's output rank, checked buckets of ``rollout.update_weights_bucket_megabytes`` (the default
-        size with 0) on the CPU, in Ray's object store under Ray; ``None`` on the other ranks (every rank
-        must call it: gathering sharded weights is a collective)."""
+        size with 0) on the CPU, published by the run's weight transport (``rollout.weight_transport``),
+        whose handle it returns; ``None`` on the other ranks (every rank must call it: gathering sharded
+        weights is a collective)."""
         params = ((name, tensor.detach().to("cpu")) for name, tensor in self.policy.get_per_tensor_param())
         if not (self.policy.dp_rank == 0 and self.policy.is_output_rank):
             for _ in params:  # take part in the gathers
                 pass
             return None
         megabytes = self.config.rollout.update_weights_bucket_megabytes or DEFAULT_BUCKET_MEGABYTES
-        return publish_buckets(
-            weight_buckets(params, megabytes << 20), object_store=self.config.trainer.workers == "ray"
-        )
+        if self.transport is None:
+            self.transport = load_transport(self.config, self.registry)
+        return self.transport.publish(weight_buckets(params, megabytes << 20))
 
     # -- log-probs ---------------------------------------------------------------------------------
 

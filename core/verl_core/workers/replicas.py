@@ -8,11 +8,12 @@ driver's process), so that generation can run while the actor trains (``async_tr
 A generation's prompts are split over the replicas as over DP ranks (``Actor.generate``: contiguous
 shares, each seeded by ``derive_seed("rollout", seed, replica)``), so that ``n`` replicas generate
 what ``n`` colocated DP ranks do, token for token. The weights travel as the checked buckets of rollout
-contract 2 (``verl_core.rollout.buckets``): the actor's output rank packs them (``publish_weights``);
-under Ray each bucket goes into Ray's object store once, on the actor's node, and every replica fetches
-it from there (across nodes, Ray's object transfer); in process the buckets are handed over as they
-are. Each replica checks every bucket (``update_weights_from_buckets``) and records the policy version
-it holds.
+contract 2 (``verl_core.rollout.buckets``): the actor's output rank packs them (``publish_weights``) and
+the run's weight transport (``verl_core.rollout.transport``, ``rollout.weight_transport``) carries them:
+by default under Ray each bucket goes into Ray's object store once, on the actor's node, and every
+replica fetches it from there (across nodes, Ray's object transfer); in process the buckets are handed
+over as they are. Each replica checks every bucket (``update_weights_from_buckets``) and records the
+policy version it holds.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,8 +39,8 @@ from verl_core.data.batch import (
 from verl_core.engine.topology import Topology
 from verl_core.hookspecs import Kind
 from verl_core.rollout.base import SamplingParams
-from verl_core.rollout.buckets import WeightBucket
 from verl_core.rollout.requests import FinishReason, RolloutRequest, RolloutResponse
+from verl_core.rollout.transport import BaseWeightTransport
 from verl_core.seeds import derive_seed
 from verl_core.workers.dispatch import contiguous_shards
 from verl_core.workers.group import WorkerGroup
@@ -48,31 +49,15 @@ from verl_core.workers.group import WorkerGroup
 REQUEST_CONCURRENCY = 256
 #: How often partial rollouts look for newer weights while requests are in flight, in seconds.
 RESUMABLE_POLL_S = 0.05
-#: The weights of one policy version on their way to the replicas: ``WeightBucket`` s in process, or
-#: references to them in Ray's object store.
-PublishedWeights = list[Any]
+#: The weights of one policy version on their way to the replicas: a weight transport's handle
+#: (``BaseWeightTransport.publish``).
+PublishedWeights = Any
 
 
-def publish_buckets(buckets: Iterable[WeightBucket], object_store: bool) -> PublishedWeights:
-    """``buckets`` ready to travel: each put into Ray's object store (this process owns them; a
-    reference goes to the driver and on to the replicas), or kept as they are (in process)."""
-    if not object_store:
-        return list(buckets)
-    import ray
-
-    return [ray.put(bucket) for bucket in buckets]
-
-
-def received_buckets(published: PublishedWeights) -> Iterator[WeightBucket]:
-    """The buckets of ``published``, fetched one at a time (a replica holds about one bucket of the
-    stream besides its model)."""
-    for item in published:
-        if isinstance(item, WeightBucket):
-            yield item
-        else:
-            import ray
-
-            yield ray.get(item)
+def load_transport(config: Any, registry: Any) -> BaseWeightTransport:
+    """The weight transport the run uses (``RunConfig.weight_transport``), in this process."""
+    entry = registry.entry(Kind.WEIGHT_TRANSPORTS, config.weight_transport, where="rollout.weight_transport")
+    return entry.load("transport")()
 
 
 def replica_device(config: Any) -> str:
@@ -97,6 +82,7 @@ class RolloutReplicaWorker:
         self.rollout = entry.load("rollout")(
             config.rollout_model, config.rollout.options, device=replica_device(config), config_path="rollout"
         )
+        self.transport = load_transport(config, registry)
         self.version: int | None = None
 
     def initialize(self) -> Topology:
@@ -119,7 +105,7 @@ class RolloutReplicaWorker:
 
     def update_weights(self, published: PublishedWeights, version: int) -> int:
         """Take the weights of policy ``version``; the version now held."""
-        self.rollout.update_weights_from_buckets(received_buckets(published))
+        self.rollout.update_weights_from_buckets(self.transport.receive(published))
         self.version = version
         return version
 

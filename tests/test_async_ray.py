@@ -50,11 +50,12 @@ def test_a_replica_under_ray_serves_requests_together_as_its_rollout_does_and_it
 
     from verl_core.rollout import RolloutRequest, SamplingParams
     from verl_core.rollout.hf import HFRollout
-    from verl_core.trainer.build import build_roles
+    from verl_core.trainer.build import replica_specs, worker_groups
     from verl_core.workers.group import WorkerError
+    from verl_core.workers.replicas import RolloutReplicas
 
     config = load_config([], run_overrides(demo, tmp_path, **ONE_STEP_OFF))
-    roles = build_roles(config)
+    replicas = RolloutReplicas(worker_groups(config, replica_specs(config)))  # a replica alone
     try:
         sampling = SamplingParams(max_new_tokens=6, eos_token_ids=(0,), pad_token_id=0, temperature=1.0)
         requests = [RolloutRequest((5 + i, 7, 9), sampling, seed=i) for i in range(4)]
@@ -64,22 +65,22 @@ def test_a_replica_under_ray_serves_requests_together_as_its_rollout_does_and_it
                 *(serve(request, f"session {i}") for i, request in enumerate(requests))
             )
 
-        responses = asyncio.run(together(roles.replicas.generate_request))
+        responses = asyncio.run(together(replicas.generate_request))
         local = HFRollout(config.rollout_model, config.rollout.options)
         local.initialize()
         expected = asyncio.run(together(lambda request, session: local.generate_request(request)))
         assert [r.token_ids for r in responses] == [r.token_ids for r in expected]
-        ((pid, _),) = roles.replicas.groups[0].processes
+        ((pid, _),) = replicas.groups[0].processes
         os.kill(pid, signal.SIGSTOP)  # stopped (hung): named once it has not answered for 4 s
-        roles.replicas.groups[0].liveness_timeout_s = 4
+        replicas.groups[0].liveness_timeout_s = 4
         with pytest.raises(
             WorkerError, match=r"rollout replica 0 rank 0 \(pid \d+ on [\d.]+\) has not answered"
         ):
-            asyncio.run(together(roles.replicas.generate_request))
+            asyncio.run(together(replicas.generate_request))
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(
             WorkerError, match=r"rollout replica 0 rank 0's process \(pid \d+ on [\d.]+\) died"
         ):
-            asyncio.run(together(roles.replicas.generate_request))
+            asyncio.run(together(replicas.generate_request))
     finally:
-        roles.shutdown()
+        replicas.shutdown()

@@ -162,6 +162,21 @@ class Roles:
                 role.shutdown()
 
 
+def replica_specs(config: RunConfig, registry: Any = None) -> list[GroupSpec]:
+    """The worker groups of ``rollout.replicas`` separate rollout replicas, one rank each."""
+    return [
+        GroupSpec(
+            f"rollout replica {replica}",
+            WorkerMaker(RolloutReplicaWorker, config, registry),
+            world_size=1,
+            resources=dict(config.rollout.replica_resources),
+            resources_key="rollout.replica_resources",
+            max_concurrency=REQUEST_CONCURRENCY,
+        )
+        for replica in range(config.rollout.replicas)
+    ]
+
+
 def build_roles(config: RunConfig, registry: Any = None) -> Roles:
     """The actor, the critic (with ``critic.enable``) and the rollout replicas (with
     ``rollout.placement=separate``), their engines and rollouts initialised."""
@@ -177,18 +192,7 @@ def build_roles(config: RunConfig, registry: Any = None) -> Roles:
         )
     separate = config.rollout.placement == "separate"
     if separate:
-        rollout = config.rollout
-        specs += [
-            GroupSpec(
-                f"rollout replica {replica}",
-                WorkerMaker(RolloutReplicaWorker, config, registry),
-                world_size=1,
-                resources=dict(rollout.replica_resources),
-                resources_key="rollout.replica_resources",
-                max_concurrency=REQUEST_CONCURRENCY,
-            )
-            for replica in range(rollout.replicas)
-        ]
+        specs += replica_specs(config, registry)
     groups: list[WorkerGroup] = []
     try:
         if config.trainer.workers == "in_process":  # one process: each role built and initialised in turn

@@ -5,6 +5,11 @@ and feed one token per row per ``step``, returning the logits of each row's next
 ``HFDecoder`` calls the model's own forward with a ``DynamicCache`` and the attention mask grown by
 one column per step.
 
+Both can also hand out the keys and values of their one row's first positions (``kv_prefix``: a
+``KVPrefix``, a copy) and start a one-row cache from such a prefix, running only the tokens after it
+(``extend``): the rollout's prefix cache (``verl_core.rollout.prefix_cache``) serves a conversation's
+next turn that way. ``HFDecoder`` does where every layer of its cache is a plain ``DynamicLayer``.
+
 On CPU most of a Hugging Face decoding step is spent outside its matrix products: module calls, the
 attention mask rebuilt every step, a cache that grows by concatenation. This computes the same forward
 pass from the model's own parameters with none of that: a preallocated KV cache written in place, the
@@ -36,6 +41,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from verl_core.rollout.config import PACKED_DTYPE_NAMES, PACKINGS, Packing, packing_dtype_problem
 
@@ -76,6 +82,29 @@ def decoder_paths() -> list[DecoderPath]:
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class KVPrefix:
+    """The keys and values of one sequence's first ``length`` positions, one ``[1, kv_heads, length,
+    head_dim]`` tensor of each per layer: what a decoder's ``extend`` continues from."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[-2]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def first(self, length: int) -> KVPrefix:
+        """The first ``length`` positions (views)."""
+        if not 0 < length <= self.length:
+            raise ValueError(f"KVPrefix.first({length}): the prefix holds {self.length} positions")
+        return KVPrefix(*(tuple(t[:, :, :length] for t in tensors) for tensors in (self.keys, self.values)))
+
+
 def decoder_for(
     model: torch.nn.Module, lean: bool, packing: Packing | Literal["auto"] = "auto", fuse: bool | None = None
 ) -> HFDecoder | LeanDecoder:
@@ -99,6 +128,29 @@ class HFDecoder:
         self.cache = DynamicCache()
         self.attention_mask = attention_mask
         return self._logits(input_ids, (attention_mask.cumsum(dim=-1) - 1).clamp(min=0), logits_to_keep=1)
+
+    def extend(self, prefix: KVPrefix, input_ids: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Start a one-row cache from ``prefix`` and run ``input_ids`` ``[1, T]`` after it (positions
+        ``prefix.length`` on); return the logits ``[1, V]`` of the next token."""
+        self.cache = DynamicCache()
+        for layer, (keys, values) in enumerate(zip(prefix.keys, prefix.values, strict=True)):
+            self.cache.update(keys, values, layer)  # a copy: DynamicLayer concatenates
+        start, device = prefix.length, input_ids.device
+        self.attention_mask = torch.ones(1, start + input_ids.shape[1], dtype=torch.int64, device=device)
+        positions = torch.arange(start, start + input_ids.shape[1], device=device)[None]
+        return self._logits(input_ids, positions, logits_to_keep=1)
+
+    def kv_prefix(self, length: int) -> KVPrefix | None:
+        """A copy of the first ``length`` cached positions of the one row decoded, or ``None`` where the
+        model's cache layers are not plain ``DynamicLayer`` s (sliding-window, quantised, ...)."""
+        layers = getattr(self.cache, "layers", None)
+        if not layers or any(type(layer) is not DynamicLayer or not layer.is_initialized for layer in layers):
+            return None
+        _check_prefix(length, self.attention_mask, layers[0].keys.shape[-2])
+        return KVPrefix(
+            tuple(layer.keys[:, :, :length].clone() for layer in layers),
+            tuple(layer.values[:, :, :length].clone() for layer in layers),
+        )
 
     def select(self, rows: torch.Tensor) -> None:
         self.cache.batch_select_indices(rows)
@@ -203,6 +255,41 @@ class LeanDecoder:
         batch, width = input_ids.shape
         device = input_ids.device
         positions = (attention_mask.cumsum(dim=-1) - 1).clamp(min=0)
+        self._allocate(batch, capacity, device)
+        self.key_mask[:, :width] = attention_mask.bool()
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        # A padding query may see nothing but itself: an all-masked row would make NaNs.
+        mask = (causal & self.key_mask[:, None, :width]) | torch.eye(width, dtype=torch.bool, device=device)
+        self.length = width
+        hidden = self._forward(input_ids, positions, 0, mask[:, None])
+        return self._logits(hidden[:, -1])
+
+    def extend(self, prefix: KVPrefix, input_ids: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Start a one-row cache of ``capacity`` positions from ``prefix`` and run ``input_ids``
+        ``[1, T]`` after it (positions ``prefix.length`` on); return the logits ``[1, V]`` of the next
+        token, as ``prefill`` of the whole sequence would."""
+        start, tokens = prefix.length, input_ids.shape[1]
+        end, device = start + tokens, input_ids.device
+        self._allocate(1, capacity, device)
+        for cache, cached in zip((*self.keys, *self.values), (*prefix.keys, *prefix.values), strict=True):
+            cache[:, :, :start] = cached
+        self.key_mask[:, :end] = True
+        # Query i (position start + i) sees the prefix and the new tokens up to itself.
+        mask = torch.ones(tokens, end, dtype=torch.bool, device=device).tril(diagonal=start)
+        self.length = end
+        positions = torch.arange(start, end, device=device)[None]
+        return self._logits(self._forward(input_ids, positions, start, mask[None, None])[:, -1])
+
+    def kv_prefix(self, length: int) -> KVPrefix:
+        """A copy of the first ``length`` cached positions of the one row decoded (unpadded)."""
+        _check_prefix(length, self.key_mask, self.length)
+        return KVPrefix(
+            tuple(keys[:, :, :length].clone() for keys in self.keys),
+            tuple(values[:, :, :length].clone() for values in self.values),
+        )
+
+    def _allocate(self, batch: int, capacity: int, device: torch.device) -> None:
+        """An empty cache of ``batch`` rows and ``capacity`` positions, and the rotary tables for them."""
         table = torch.arange(capacity, device=device)[None]
         dtype_of = self.model.model.embed_tokens.weight[:0]  # the rotary embedding reads its dtype only
         cos, sin = self.model.model.rotary_emb(dtype_of, table)
@@ -215,13 +302,6 @@ class LeanDecoder:
         ]
         self.values = [torch.zeros_like(keys) for keys in self.keys]
         self.key_mask = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
-        self.key_mask[:, :width] = attention_mask.bool()
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        # A padding query may see nothing but itself: an all-masked row would make NaNs.
-        mask = (causal & self.key_mask[:, None, :width]) | torch.eye(width, dtype=torch.bool, device=device)
-        self.length = width
-        hidden = self._forward(input_ids, positions, 0, mask[:, None])
-        return self._logits(hidden[:, -1])
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep the cache rows ``rows`` (in that order; a row may repeat)."""
@@ -508,6 +588,16 @@ def cpu_features() -> str:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _check_prefix(length: int, mask: torch.Tensor, cached: int) -> None:
+    """A prefix is taken from a cache of one row without padding (a request's), within what it holds:
+    ``mask`` is the cache's attention or key mask, ``cached`` its positions."""
+    if mask.shape[0] != 1 or not 0 < length <= cached or not bool(mask[0, :length].all()):
+        raise ValueError(
+            f"kv_prefix({length}): the cache holds {mask.shape[0]} row(s) of {cached} positions; a prefix "
+            "is taken from one unpadded row, within its positions"
+        )
 
 
 def _heads(projected: torch.Tensor, heads: int) -> torch.Tensor:

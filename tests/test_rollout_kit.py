@@ -232,7 +232,7 @@ def first_token_with(function):
     logits) with ``function`` and every later one with ``sample_next``, as a rollout with a prefill
     path of its own does."""
 
-    def _decode(self, prompts, prompt_mask, sampling, generator, stop=None):
+    def _decode(self, prompts, prompt_mask, sampling, generator, stop=None, prefix=None):
         first = True
 
         def sample(logits, sampling, generator):
@@ -243,7 +243,7 @@ def first_token_with(function):
             return sample_next(logits, sampling, generator)
 
         with sampling_with(sample):
-            return HFRollout._decode(self, prompts, prompt_mask, sampling, generator, stop)
+            return HFRollout._decode(self, prompts, prompt_mask, sampling, generator, stop, prefix)
 
     return _decode
 

@@ -358,7 +358,8 @@ class RolloutCapabilities:
     #: effect only on a request still waiting. Resuming (``RolloutRequest.resume_from``) works either way.
     abort_resume: bool = False
     #: Sequences that share a prompt (or a prompt's prefix) share its prefill: the ``n`` samples of a
-    #: prompt are computed once up to their first token.
+    #: prompt are computed once up to their first token; a request that continues a recent one (a
+    #: conversation's next turn) may be served from its KV cache. Never under weights that have changed.
     prefix_caching: bool = False
     #: ``sleep()`` frees the rollout's cache memory (its KV cache, its copies of the weights) until
     #: ``wake_up()``; without it both do nothing.

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from verl_core.descriptors import RolloutBackend, RolloutCapabilities, WeightTransport
 
-#: What the built-in ``hf`` rollout does beyond contract 1 (``verl_core.rollout.hf``). Its log-probs
-#: differ from the reference's by ~1e-6 in float32 on the kit's model (the rollout kit prints the
-#: measured value); the declared bound is the one rollout kit 1 held it to.
+#: What the built-in ``hf`` rollout does beyond contract 1 (``verl_core.rollout.hf``); its
+#: ``prefix_caching``: the ``n`` samples of a prompt share its prefill, and a request is served from the
+#: KV caches of recent ones (``rollout.hf.prefix_cache_sequences``). Its log-probs differ from the
+#: reference's by ~1e-6 in float32 on the kit's model (the rollout kit prints the measured value); the
+#: declared bound is the one rollout kit 1 held it to.
 HF_CAPABILITIES = RolloutCapabilities(
     requests="serial",
     abort_resume=True,

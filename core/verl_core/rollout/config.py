@@ -60,6 +60,12 @@ class HFRolloutConfig:
     #: are oneDNN-packed (the packed copy is then the fused weight, at no memory cost); ``true`` keeps a
     #: fused copy of the other weights too.
     fused_projections: Literal["auto", True, False] = "auto"
+    #: Requests whose KV caches are kept after they finish, the least recently used dropped first, so
+    #: that a request whose prompt begins as one of theirs did (a conversation's next turn) prefills only
+    #: the tokens after that prefix (``verl_core.rollout.prefix_cache``); 0 keeps none. Set it to at least
+    #: the conversations in flight at once. Each costs its tokens' keys and values (per token: 2 x layers
+    #: x KV heads x head size x the dtype's bytes) until a weight update or ``sleep()`` frees them.
+    prefix_cache_sequences: int = attrs.field(default=16, validator=non_negative)
 
     def check_model(self, dtype: str, dtype_key: str) -> Iterator[tuple[str, str]]:
         """The rules between these options and the model the rollout loads, in ``dtype`` (from the

@@ -19,6 +19,13 @@ checked between decoding steps; ``sleep()`` frees the KV cache and the packed we
 weights stay: this rollout's weights are the ones it samples with, on its device); the n samples of a
 prompt in one call share its prefill. Decoding is one call at a time (a lock): the decoder's cache
 belongs to the rollout.
+
+The request path keeps the KV caches of the last ``prefix_cache_sequences`` requests
+(``verl_core.rollout.prefix_cache``): a request whose prompt begins as one of theirs did (a
+conversation's next turn) prefills only the tokens after the longest such prefix, and samples what a
+full prefill would have (the same tokens for the same seed; log-probs equal to float rounding). A
+weight update and ``sleep()`` clear them. ``prefilled_tokens`` and ``reused_tokens`` count the prompt
+tokens run through a prefill and those a cached prefix served.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from verl_core.data.batch import ROLLOUT_LOG_PROBS, concat_batches, join_prompts
 from verl_core.errors import ConfigError, RolloutError, did_you_mean
 from verl_core.rollout.base import BaseRollout, SamplingParams
 from verl_core.rollout.config import HFRolloutConfig
-from verl_core.rollout.decoder import decoder_for, packing_problem
+from verl_core.rollout.decoder import KVPrefix, decoder_for, packing_problem
+from verl_core.rollout.prefix_cache import PrefixCache
 from verl_core.rollout.requests import FinishReason, RolloutRequest, finish_reason
 from verl_core.rollout.sampling import sample_next
 from verl_core.toolkit.model import DTYPES, check_model_dir
@@ -54,6 +62,12 @@ class HFRollout(BaseRollout):
         self._asleep = False
         #: Held while decoding: one call (or request) at a time uses the decoder and its cache.
         self._decoding = threading.Lock()
+        #: The KV caches of recent requests, for the requests that continue them.
+        self._prefix_cache = PrefixCache(self.options.prefix_cache_sequences)
+        #: Prompt tokens run through a prefill (by ``generate`` and by requests), and those a cached
+        #: prefix served instead.
+        self.prefilled_tokens = 0
+        self.reused_tokens = 0
 
     def initialize(self) -> None:
         if self.model is not None:
@@ -88,6 +102,7 @@ class HFRollout(BaseRollout):
         expected = model.state_dict()
         seen: set[str] = set()
         self._consistent = False  # until every tensor has arrived
+        self._prefix_cache.clear()  # computed with the weights this replaces
         for name, tensor in params:
             if name not in expected:
                 raise RolloutError(
@@ -141,24 +156,43 @@ class HFRollout(BaseRollout):
         self, request: RolloutRequest, stop: threading.Event
     ) -> tuple[list[int], list[float], FinishReason]:
         """One request decoded alone, as ``generate`` decodes a call of its one prompt (the same seed
-        gives the same tokens), ``stop`` checked between steps. The KV cache and the weights' copies
-        are kept for the next request (``sleep()`` frees them)."""
+        gives the same tokens), ``stop`` checked between steps, from the longest cached prefix of its
+        prompt; its own KV cache is kept for the requests that continue it. The decoder's cache and
+        the weights' copies are kept for the next request (``sleep()`` frees them)."""
         self._ready()
         prompt, sampling, seed = request.continuation()
         generator = torch.Generator(self.device).manual_seed(seed)
+        caching = self._prefix_cache.size > 0
         with self._decoding, torch.inference_mode():
+            weights = self._weights_stamp() if caching else None
+            prefix = self._prefix_cache.longest(prompt, weights) if caching else None
             _, tokens, log_probs = self._decode(
-                [prompt], torch.ones(1, len(prompt), dtype=torch.int64), sampling, generator, stop
+                [prompt], torch.ones(1, len(prompt), dtype=torch.int64), sampling, generator, stop, prefix
             )
-        tokens = torch.cat(tokens).tolist() if tokens else []
+            tokens = torch.cat(tokens).tolist() if tokens else []
+            if caching and tokens:
+                # The keys and values of the tokens the model ran: the last one sampled never was.
+                ran = [*prompt, *tokens[:-1]]
+                # A decoder that cannot hand out its cache (a subclass's own) prefills every prompt whole.
+                take = getattr(self._decoder, "kv_prefix", None)
+                kv = take(len(ran)) if take is not None else None
+                if kv is not None:
+                    self._prefix_cache.add(ran, kv, weights)
         log_probs = torch.cat(log_probs).tolist() if log_probs else []
         return tokens, log_probs, finish_reason(tokens, sampling, aborted=stop.is_set())
+
+    def _weights_stamp(self) -> tuple:
+        """What the weights are now: each parameter's storage and version counter (a weight update
+        writes in place, moving the counter), so that a cached prefix serves only the weights it was
+        computed with, whoever changed them."""
+        return tuple((p.data_ptr(), p._version) for p in self._initialized().parameters())
 
     def sleep(self) -> None:
         """Free the KV cache and the packed copies of the weights until ``wake_up()`` (the weights stay)."""
         self._initialized()
         with self._decoding:
             self._decoder.release()
+            self._prefix_cache.clear()
             self._asleep = True
 
     def wake_up(self) -> None:
@@ -199,11 +233,13 @@ class HFRollout(BaseRollout):
         sampling: SamplingParams,
         generator: torch.Generator,
         stop: threading.Event | None = None,
+        prefix: KVPrefix | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """The decoding loop over ``prompts`` (left-padded: ``prompt_mask``): each step's rows (indices
         into ``prompts``), sampled tokens and their log-probs, to be written into the responses once
         decoding ends (one indexed write per tensor, not three per step: about 2% of a small model's
-        rollout on the CPU). Decoding ends early once ``stop`` is set (an aborted request)."""
+        rollout on the CPU). Decoding ends early once ``stop`` is set (an aborted request). ``prefix``:
+        the keys and values of the one prompt's first tokens, which then are not prefilled again."""
         batch = len(prompts)
         device = self.device
         eos = torch.tensor(sampling.eos_token_ids, device=device)
@@ -218,11 +254,14 @@ class HFRollout(BaseRollout):
         sampled_log_probs: list[torch.Tensor] = []
         next_position = prompt_mask.sum(dim=-1).to(device)  # each row's next position: its prompt length
         decoder = self._decoder
-        logits = decoder.prefill(
-            distinct_ids.to(device),
-            distinct_mask.to(device),
-            capacity=prompt_mask.shape[1] + sampling.max_new_tokens,
-        )
+        capacity = prompt_mask.shape[1] + sampling.max_new_tokens
+        if prefix is None:
+            logits = decoder.prefill(distinct_ids.to(device), distinct_mask.to(device), capacity=capacity)
+            self.prefilled_tokens += int(distinct_mask.sum())
+        else:  # one unpadded prompt
+            logits = decoder.extend(prefix, distinct_ids[:, prefix.length :].to(device), capacity=capacity)
+            self.prefilled_tokens += distinct_ids.shape[1] - prefix.length
+            self.reused_tokens += prefix.length
         if len(distinct) < batch:
             source = source.to(device)
             logits = logits[source]

@@ -1,0 +1,98 @@
+"""The built-in rollout's prefix cache: the KV caches of recently finished requests, kept so that a
+request whose prompt begins as one of their sequences does (a conversation's next turn: the previous
+prompt, the reply, the environment's message) prefills only the tokens after it.
+
+Entries are found by their tokens, as vLLM's prefix cache finds its blocks (a request names no
+conversation): the entry sharing the longest prefix with the prompt serves that prefix, up to the
+prompt's last token at most (that token always runs: the request samples from its logits). An entry
+holds the keys and values of the tokens the model ran for a request: its prompt and every token it
+generated but the last (sampled, never fed back), so a next turn prefills that reply's last token
+and the environment's message. At most ``size`` entries, the least recently used dropped first; an
+entry whose tokens a newer one continues is replaced by it. Every entry is stamped with the weights it
+was computed under and serves only those: ``HFRollout`` clears the cache when its weights change
+(``update_weights``) and on ``sleep()``, and the stamp covers any other write to the weights.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from verl_core.rollout.decoder import KVPrefix
+
+
+class PrefixCache:
+    """At most ``size`` sequences' keys and values (``KVPrefix``), least recently used dropped first;
+    ``size`` 0 keeps none."""
+
+    def __init__(self, size: int):
+        self.size = size
+        #: By the tokens whose keys and values they hold: (the prefix, the weights' stamp).
+        self._entries: OrderedDict[tuple[int, ...], tuple[KVPrefix, Hashable]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def tokens(self) -> int:
+        """The positions held, over every entry."""
+        return sum(len(tokens) for tokens in self._entries)
+
+    def longest(self, prompt: Sequence[int], weights: Hashable) -> KVPrefix | None:
+        """The longest cached prefix of ``prompt`` computed under ``weights``, short of its last token
+        (``None``: no entry shares its first token). Entries of other weights are dropped."""
+        self._drop_other_weights(weights)
+        prompt = tuple(prompt)
+        best, length = None, 0
+        for tokens in self._entries:
+            shared = min(common_prefix(tokens, prompt), len(prompt) - 1)
+            if shared > length:
+                best, length = tokens, shared
+        if best is None:
+            return None
+        self._entries.move_to_end(best)
+        return self._entries[best][0].first(length)
+
+    def add(self, tokens: Sequence[int], prefix: KVPrefix, weights: Hashable) -> None:
+        """Keep ``prefix``, the keys and values of ``tokens`` under ``weights``, as the most recently used
+        entry; an entry it continues is dropped, and it is not kept where an entry continues it."""
+        tokens = tuple(tokens)
+        if self.size == 0 or not tokens:
+            return
+        if prefix.length != len(tokens):
+            raise ValueError(f"a prefix of {prefix.length} positions for {len(tokens)} tokens")
+        self._drop_other_weights(weights)
+        for cached in list(self._entries):
+            shared = common_prefix(cached, tokens)
+            if shared == len(tokens):  # an entry holds these tokens and more
+                self._entries.move_to_end(cached)
+                return
+            if shared == len(cached):
+                del self._entries[cached]
+        self._entries[tokens] = (prefix, weights)
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def _drop_other_weights(self, weights: Hashable) -> None:
+        for tokens, (_, stamp) in list(self._entries.items()):
+            if stamp != weights:
+                del self._entries[tokens]
+
+
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """The number of leading tokens ``a`` and ``b`` share (by bisection over slices: compared in C)."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while high - low > 1:  # a[:low] == b[:low], a[:high] != b[:high]
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low

@@ -21,6 +21,7 @@ import threading
 import attrs
 import pytest
 import torch
+from fixtures.rollouts import StaleRequestPrefixCacheRollout
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -542,6 +543,7 @@ BROKEN_ROLLOUTS = {
     "hf-ignores-abort": (IgnoresAbortRollout, "abort_resume", HF_CAPABILITIES),
     "hf-prefix-keyed-prefill": (PrefixKeyedPrefillRollout, "prefix_caching", HF_CAPABILITIES),
     "hf-stale-prefix-cache": (StalePrefixCacheRollout, "prefix_caching", HF_CAPABILITIES),
+    "hf-stale-request-prefix-cache": (StaleRequestPrefixCacheRollout, "prefix_caching", HF_CAPABILITIES),
     "hf-wake-reloads-checkpoint": (
         WakeReloadsCheckpointRollout,
         "sleep",

@@ -65,6 +65,10 @@ STOP_MIN_GAP = 1e-3
 #: backend at its smallest block size, 32), with suffixes of their own.
 SHARED_PREFIX = 32
 SHARED_PROMPTS = 4
+#: ``prefix_caching``: a conversation's next turn, its prompt the previous turn's prompt, response and
+#: this many more tokens, up to this many new tokens (the whole within the kit model's 56 positions).
+TURN_TOKENS = 2
+TURN_MAX_NEW_TOKENS = 8
 
 
 def check_requests(ctx: RolloutContext) -> Iterator[Comparison]:
@@ -327,10 +331,12 @@ async def _abort_rounds(
 
 def check_prefix_caching(ctx: RolloutContext) -> Iterator[Comparison]:
     """Prompts sharing a ``SHARED_PREFIX``-token prefix (each ``N_SAMPLES`` times, in one call), then
-    the same prompts as requests twice over (the second time a cache can serve them), then in one call
-    again after a weight update: every log-prob is the reference's on that sample alone, under the
-    weights of the moment (a cache keyed on less than the whole prompt gives another prompt's; one kept
-    across a weight update, the old weights')."""
+    the same prompts as requests twice over (the second time a cache can serve them), then each
+    request's next turn (its prompt, its response and ``TURN_TOKENS`` more tokens), then in one call and
+    as requests again after a weight update: every log-prob is the reference's on that sample alone,
+    under the weights of the moment (a cache keyed on less than the whole prompt gives another
+    prompt's; one that claims the keys and values of a token it never ran, or puts the new tokens at
+    other positions, the wrong context's; one kept across a weight update, the old weights')."""
     check = "prefix_caching"
     if not ctx.capabilities.prefix_caching:
         raise CheckSkipped(f"backend '{ctx.backend}' declares prefix_caching=False")
@@ -348,15 +354,29 @@ def check_prefix_caching(ctx: RolloutContext) -> Iterator[Comparison]:
         "reference (each sample alone)",
     )
     sampling = ctx.sampling()
-    for attempt in ("first", "second"):
-        requests = [
+
+    def as_requests(
+        attempt: str, prompts: Sequence[Sequence[int]], sampling=sampling
+    ) -> list[RolloutRequest]:
+        return [
             RolloutRequest(prompt, sampling, seed=700 + i, request_id=f"kit-prefix-{attempt}-{i}")
-            for i, prompt in enumerate(distinct)
+            for i, prompt in enumerate(prompts)
         ]
+
+    for attempt in ("first", "second"):
+        requests = as_requests(attempt, distinct)
         responses = ctx.requests(requests)
         yield from _sampled_and_scored(
             ctx, check, requests, responses, f"as requests, the {attempt} time", score_only=True
         )
+    answers = make_prompts([TURN_TOKENS] * SHARED_PROMPTS, seed=121)  # an environment's, say
+    next_prompts = [
+        [*request.prompt_ids, *response.token_ids, *answer]
+        for request, response, answer in zip(requests, responses, answers, strict=True)
+    ]
+    turns = as_requests("turn", next_prompts, ctx.sampling(max_new_tokens=TURN_MAX_NEW_TOKENS))
+    label = f"as requests, each one's next turn (its prompt, response and {TURN_TOKENS} more tokens)"
+    yield from _sampled_and_scored(ctx, check, turns, ctx.requests(turns), label, score_only=True)
     # A cache filled under the old weights must not serve the new ones (vLLM's prefix cache is reset
     # after every weight load for this): the same prompts after an update, then the weights put back.
     probe = probe_weights(ctx.reference())
@@ -371,6 +391,9 @@ def check_prefix_caching(ctx: RolloutContext) -> Iterator[Comparison]:
             47,
             "updated reference",
         )
+        requests = as_requests("updated", distinct)
+        label = "the same prompts as requests after a weight update, under the new weights"
+        yield from _sampled_and_scored(ctx, check, requests, ctx.requests(requests), label, True, True, probe)
     finally:
         send_weights(ctx, ctx.reference(), overwrite=False)
 
@@ -460,13 +483,15 @@ def _sampled_and_scored(
     label: str,
     new_only: bool = False,
     score_only: bool = False,
+    model: torch.nn.Module | None = None,
 ) -> Iterator[Comparison]:
     """The tokens of ``responses`` (after ``resume_from``'s with ``new_only``) follow the reference's
     ``softmax(logits / T)`` (z-test; not with ``score_only``), and their log-probs are the reference's
-    under the declared semantics, within ``ctx.tolerance``."""
+    under the declared semantics, within ``ctx.tolerance``; ``model``: another reference (the weights
+    of an update)."""
     semantics = ctx.capabilities.log_prob_semantics
     distributions, sampled, actual, expected = [], [], [], []
-    all_logits = _response_logits(ctx.reference(), requests, responses)
+    all_logits = _response_logits(model or ctx.reference(), requests, responses)
     for request, response, logits in zip(requests, responses, all_logits, strict=True):
         start = len(request.generated) if new_only else 0
         tokens = list(response.token_ids)

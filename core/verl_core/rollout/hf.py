@@ -188,7 +188,8 @@ class HFRollout(BaseRollout):
         return tuple((p.data_ptr(), p._version) for p in self._initialized().parameters())
 
     def sleep(self) -> None:
-        """Free the KV cache and the packed copies of the weights until ``wake_up()`` (the weights stay)."""
+        """Free the KV cache, the requests' cached prefixes and the packed copies of the weights until
+        ``wake_up()`` (the weights stay)."""
         self._initialized()
         with self._decoding:
             self._decoder.release()

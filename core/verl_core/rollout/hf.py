@@ -62,8 +62,8 @@ class HFRollout(BaseRollout):
         self._asleep = False
         #: Held while decoding: one call (or request) at a time uses the decoder and its cache.
         self._decoding = threading.Lock()
-        #: The KV caches of recent requests, for the requests that continue them.
-        self._prefix_cache = PrefixCache(self.options.prefix_cache_sequences)
+        #: The KV caches of recent requests, for the requests that continue them (sized by ``initialize``).
+        self._prefix_cache = PrefixCache(0)
         #: Prompt tokens run through a prefill (by ``generate`` and by requests), and those a cached
         #: prefix served instead.
         self.prefilled_tokens = 0
@@ -92,6 +92,7 @@ class HFRollout(BaseRollout):
         self.model = model.eval().to(self.device)
         fuse = None if options.fused_projections == "auto" else options.fused_projections
         self._decoder = decoder_for(self.model, lean, packing=options.weight_packing, fuse=fuse)
+        self._prefix_cache = PrefixCache(options.prefix_cache_sequences)
 
     # -- weights ---------------------------------------------------------------------------------
 

@@ -257,8 +257,8 @@ def test_a_size_that_is_not_a_count_is_refused_at_its_key(value, problem) -> Non
     ]
 
 
-def test_the_default_keeps_16_sequences_and_0_is_accepted() -> None:
-    assert load_config([EXAMPLE], []).rollout.options.prefix_cache_sequences == 16
+def test_the_default_keeps_128_sequences_and_0_is_accepted() -> None:
+    assert load_config([EXAMPLE], []).rollout.options.prefix_cache_sequences == 128
     assert (
         load_config([EXAMPLE], ["rollout.hf.prefix_cache_sequences=0"]).rollout.options.prefix_cache_sequences
         == 0
@@ -266,8 +266,13 @@ def test_the_default_keeps_16_sequences_and_0_is_accepted() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(a=st.lists(st.integers(0, 3), max_size=40), b=st.lists(st.integers(0, 3), max_size=40))
-def test_common_prefix_is_the_first_difference(a, b) -> None:
+@given(
+    shared=st.lists(st.integers(0, 3), max_size=300),
+    a=st.lists(st.integers(0, 3), max_size=70),
+    b=st.lists(st.integers(0, 3), max_size=70),
+)
+def test_common_prefix_is_the_first_difference(shared, a, b) -> None:
+    a, b = shared + a, shared + b  # long shared runs: across the blocks compared at once
     expected = 0
     while expected < min(len(a), len(b)) and a[expected] == b[expected]:
         expected += 1

@@ -62,10 +62,12 @@ class HFRolloutConfig:
     fused_projections: Literal["auto", True, False] = "auto"
     #: Requests whose KV caches are kept after they finish, the least recently used dropped first, so
     #: that a request whose prompt begins as one of theirs did (a conversation's next turn) prefills only
-    #: the tokens after that prefix (``verl_core.rollout.prefix_cache``); 0 keeps none. Set it to at least
-    #: the conversations in flight at once. Each costs its tokens' keys and values (per token: 2 x layers
-    #: x KV heads x head size x the dtype's bytes) until a weight update or ``sleep()`` frees them.
-    prefix_cache_sequences: int = attrs.field(default=16, validator=non_negative)
+    #: the tokens after that prefix (``verl_core.rollout.prefix_cache``); 0 keeps none. At least the
+    #: conversations in flight at once (served in turn, fewer evict each other before their next turn);
+    #: the default holds a step of the examples' size (16 prompts x 8 responses) on one replica. Each
+    #: costs its tokens' keys and values (per token: 2 x layers x KV heads x head size x the dtype's
+    #: bytes) until a weight update or ``sleep()`` frees them.
+    prefix_cache_sequences: int = attrs.field(default=128, validator=non_negative)
 
     def check_model(self, dtype: str, dtype_key: str) -> Iterator[tuple[str, str]]:
         """The rules between these options and the model the rollout loads, in ``dtype`` (from the

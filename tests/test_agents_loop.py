@@ -332,9 +332,13 @@ class SharedEnvironmentLoop(AgentLoop):
 @pytest.fixture(scope="module")
 def hf_rollout(chat_model):
     from verl_core.config.engine import ModelConfig
+    from verl_core.rollout.config import HFRolloutConfig
     from verl_core.rollout.hf import HFRollout
 
-    rollout = HFRollout(ModelConfig(path=str(chat_model[0])))
+    # Without the prefix cache: a request served from a cached prefix has its log-probs to float
+    # rounding only (tests/test_rollout_prefix_cache.py), and which prefix is cached depends on the
+    # order requests came in; the loop's results, compared bitwise here, must not.
+    rollout = HFRollout(ModelConfig(path=str(chat_model[0])), HFRolloutConfig(prefix_cache_sequences=0))
     rollout.initialize()
     return rollout
 

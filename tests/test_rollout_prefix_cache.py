@@ -138,6 +138,35 @@ def test_the_second_turn_prefills_its_new_tokens_only_and_a_third_continues_the_
     assert len(with_cache._prefix_cache) == 1
 
 
+def conversations_in(rollout: HFRollout, order: list[tuple[int, int]]) -> dict[int, list[RolloutResponse]]:
+    """Conversations sharing their opening (as the ``n`` responses of a prompt do), each turn the
+    previous prompt, response and a message, their turns served in ``order`` (conversation, turn)."""
+    prompts = {conversation: [4, 5, 6, 7, 8] for conversation, _ in order}
+    replies: dict[int, list[RolloutResponse]] = {conversation: [] for conversation in prompts}
+    for conversation, turn in order:
+        response = serve(rollout, prompts[conversation], 100 * conversation + turn)
+        replies[conversation].append(response)
+        prompts[conversation] = [*prompts[conversation], *response.token_ids, 30, 31]
+    return replies
+
+
+def test_conversations_served_in_any_order_sample_the_same_tokens(pair) -> None:
+    """Which prefix a request finds cached depends on the requests before it (a sibling's prompt, its
+    own previous turn): its log-probs to float rounding only."""
+    with_cache, without = pair
+    by_turn = [(conversation, turn) for turn in range(3) for conversation in range(3)]
+    by_conversation = [(conversation, turn) for conversation in (2, 1, 0) for turn in range(3)]
+    forget(with_cache)
+    first = conversations_in(with_cache, by_turn)
+    forget(with_cache)
+    second = conversations_in(with_cache, by_conversation)
+    reference = conversations_in(without, by_turn)
+    for replies in (first, second):
+        for conversation, responses in replies.items():
+            for response, expected in zip(responses, reference[conversation], strict=True):
+                assert served_alike(response, expected) <= TOLERANCE
+
+
 def test_a_resumed_request_runs_only_its_last_partial_token(pair) -> None:
     with_cache, without = pair
     forget(with_cache)

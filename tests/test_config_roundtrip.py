@@ -320,11 +320,15 @@ def test_load_config_reads_dump_yaml_back(config):
     assert yaml.safe_load(dump_yaml(config)) == unstructure(config)  # a YAML 1.1 reader agrees
 
 
+#: Mappings of a config that are values, not sections: free-form options, Ray resources by name.
+FREE_FORM = ("extra", "replica_resources", "rank_resources")
+
+
 def sections(data: dict, path: str = "") -> list[str]:
     """Dotted paths of every mapping in unstructured config data that is a config section."""
     found = [path]
     for key, value in data.items():
-        if isinstance(value, dict) and key != "extra":  # ``extra`` holds free-form options
+        if isinstance(value, dict) and key not in FREE_FORM:  # any key goes in these
             found += sections(value, f"{path}.{key}" if path else key)
     return found
 

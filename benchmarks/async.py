@@ -528,9 +528,9 @@ def main() -> int:
     parser.add_argument(
         "--bucket-megabytes",
         type=lambda text: [int(item) for item in text.split(",")],
-        default=[DEFAULT_BUCKET_MEGABYTES, 64],
+        default=[DEFAULT_BUCKET_MEGABYTES, 64, 16],
         help="the weights' bucket sizes to measure (rollout.update_weights_bucket_megabytes; default "
-        f"{DEFAULT_BUCKET_MEGABYTES}, core's, and 64, below the local cluster's object store)",
+        f"{DEFAULT_BUCKET_MEGABYTES}, the config's, and 64 and 16, below the local cluster's object store)",
     )
     parser.add_argument("--json", action="store_true", help="print every figure as one JSON object, last")
     parser.add_argument(

@@ -1,10 +1,12 @@
-"""Helpers the engine benchmarks share (``engine_overhead.py``, ``memory.py``); not a benchmark.
+"""Helpers the benchmarks share (``engine_overhead.py``, ``memory.py``, ``grpo_vs_trl.py``, ``async.py``);
+not a benchmark.
 
 - ``--fsdp KEY=VALUE`` options of the fsdp engine: any field of ``verl_fsdp.config.FSDPConfig`` (so
   options added later need no change here), the value parsed as YAML and structured as a config
   override's would be (``verl_core.config``: unknown keys and wrong types refused, with the path);
 - a Qwen2 built from a config and written with ``save_pretrained`` (nothing is downloaded);
 - a policy-gradient batch in the batch contract, and engines built through the plugin registry;
+- a trainer's run with the time each step ended and its metrics (``fit_timed``);
 - the spawned ranks' results, written by rank 0 and read back by the parent;
 - this machine's limits (streaming read bandwidth, matrix-product throughput), its CPU and its load.
 """
@@ -175,6 +177,31 @@ def build_engine(
     engine = build(config, "lm")
     engine.initialize()
     return engine
+
+
+def fit_timed(trainer: Any) -> tuple[list[float], list[dict[str, float]]]:
+    """``trainer.fit()`` (an ``RLTrainer``), then its shutdown: when each step ended (``train_step``
+    returning inside ``fit``, ``time.perf_counter()``) and its metrics, in step order."""
+    import contextlib
+    import io
+
+    ends: list[float] = []
+    metrics: list[dict[str, float]] = []
+    train_step = trainer.train_step
+
+    def timed_step(step: int) -> dict[str, float]:
+        result = train_step(step)
+        metrics.append(result)
+        ends.append(time.perf_counter())
+        return result
+
+    trainer.train_step = timed_step
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # the dataset summary line
+            trainer.fit()
+    finally:
+        trainer.shutdown()
+    return ends, metrics
 
 
 def write_result(rank: Any, result: Any) -> None:

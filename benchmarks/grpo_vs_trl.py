@@ -56,10 +56,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import functools
 import importlib.util
-import io
 import json
 import multiprocessing
 import os
@@ -72,6 +70,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import fit_timed  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MAKE_DEMO = REPO / "examples" / "demo" / "make_demo.py"
@@ -169,23 +171,7 @@ def run_ours(
     values |= overrides or {}
     config = load_config([], [f"{key}={value}" for key, value in values.items()])
     assert not config.uses_kl
-    trainer = RLTrainer.from_config(config, show_progress=False)
-    ends: list[float] = []
-    metrics: list[dict[str, float]] = []
-    train_step = trainer.train_step
-
-    def timed_step(step: int) -> dict[str, float]:
-        result = train_step(step)
-        metrics.append(result)
-        ends.append(time.perf_counter())
-        return result
-
-    trainer.train_step = timed_step
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):  # the dataset summary line
-            trainer.fit()
-    finally:
-        trainer.shutdown()
+    ends, metrics = fit_timed(RLTrainer.from_config(config, show_progress=False))
     timed = range(args.warmup, args.warmup + args.steps)
     seconds = [ends[i] - ends[i - 1] for i in timed]  # warm-up >= 1: every timed step has a predecessor
     # The step's response tokens (padding excluded), as the trainer counted them for perf/tokens_per_s.

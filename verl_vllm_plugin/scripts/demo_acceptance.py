@@ -16,10 +16,9 @@ vLLM (``docs/backends/vllm.md``) in the environment; takes about 3 minutes a run
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,22 +27,15 @@ REPO = Path(__file__).resolve().parents[2]
 VLLM_DEFAULTS = ("rollout.vllm.max_model_len=32",)
 
 
-def run(command: list[str], log: Path) -> float:
-    """Run ``command`` with its output in ``log``; its wall time in seconds. Exits on failure."""
-    started = time.perf_counter()
-    with log.open("w") as out:
-        result = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    if result.returncode:
-        sys.exit(f"{' '.join(command[:3])} ... failed (exit {result.returncode}); its output: {log}")
-    return time.perf_counter() - started
-
-
-def scores(run_dir: Path) -> list[tuple[int, float]]:
-    """(step, validation mean score) of a run, in order."""
-    from verl_core.trainer.run_files import METRICS_FILE, read_records
-
-    records = read_records(run_dir / METRICS_FILE)
-    return [(r["step"], r["val/score/mean"]) for r in records if r.get("val/score/mean") is not None]
+def acceptance_module():
+    """examples/demo/acceptance.py (the demo's runs over seeds, and the spread), loaded by path."""
+    spec = importlib.util.spec_from_file_location(
+        "demo_acceptance", REPO / "examples" / "demo" / "acceptance.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["demo_acceptance"] = module  # NamedTuples look their module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,79 +73,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--set {item!r}: expected BACKEND:KEY=VALUE (vllm:rollout.vllm.max_model_len=32)")
         overrides.setdefault(backend, []).append(override)
 
+    acceptance = acceptance_module()
     out = args.out.resolve()
     if args.fresh:
         shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
-    data = out / "data"
-    if not (out / "model" / "config.json").exists():
-        command = [
-            sys.executable,
-            "examples/demo/make_demo.py",
-            str(out),
-            "--attention-heads",
-            "2",
-            "--kv-heads",
-            "1",
-        ]
-        run(command, out / "make_demo.log")
-    sft = out / "sft"
-    if not (sft / "hf_model" / "config.json").exists():
-        run(
-            [
-                "verl-core",
-                "sft",
-                "examples/demo/sft.yaml",
-                f"actor.engine.model.path={out / 'model'}",
-                f"data.train_files=[{data / 'sft.jsonl'}]",
-                f"trainer.run_dir={sft}",
-                f"trainer.checkpoint_dir={sft / 'checkpoints'}",
-            ],
-            out / "sft.log",
+    demo = acceptance.prepare(out, ["--attention-heads", "2", "--kv-heads", "1"])
+    results = [
+        acceptance.train(
+            demo, backend, seed, args.steps, [f"rollout.backend={backend}", *overrides.get(backend, [])]
         )
-
-    rows = []
-    for backend, seed in plan:
-        run_dir = out / f"grpo-{backend}-seed{seed}"
-        done = scores(run_dir)
-        wall = float("nan")
-        if not done or done[-1][0] != args.steps:
-            shutil.rmtree(run_dir, ignore_errors=True)
-            wall = run(
-                [
-                    "verl-core",
-                    "train",
-                    "examples/grpo.yaml",
-                    f"actor.engine.model.path={sft / 'hf_model'}",
-                    f"data.train_files=[{data / 'train.jsonl'}]",
-                    f"data.val_files=[{data / 'val.jsonl'}]",
-                    f"rollout.backend={backend}",
-                    f"trainer.seed={seed}",
-                    f"trainer.total_training_steps={args.steps}",
-                    f"trainer.run_dir={run_dir}",
-                    f"trainer.checkpoint_dir={run_dir / 'checkpoints'}",
-                    "trainer.save_freq=0",
-                    "trainer.logger=[]",
-                    *overrides.get(backend, []),
-                ],
-                out / f"grpo-{backend}-seed{seed}.log",
-            )
-            done = scores(run_dir)
-        (_, before), (_, after) = done[0], done[-1]
-        rows.append((backend, seed, before, after, wall))
-
-    spread = [after for backend, _, _, after, _ in rows if backend == "hf"]
-    low, high = min(spread), max(spread)
-    print(f"{'backend':<8} {'seed':>4} {'val before':>10} {'val after':>9} {'wall s':>7}  within hf's spread")
-    failed = False
-    for backend, seed, before, after, wall in rows:
-        verdict = (
-            "" if backend == "hf" else "yes" if low <= after <= high else "above" if after > high else "NO"
-        )
-        failed |= verdict == "NO"
-        print(f"{backend:<8} {seed:>4} {before:>10.3f} {after:>9.3f} {wall:>7.0f}  {verdict}")
-    print(f"hf spread of final scores over {len(spread)} seeds: [{low:.3f}, {high:.3f}]")
-    return 1 if failed else 0
+        for backend, seed in plan
+    ]
+    return 1 if acceptance.report(results, "hf") else 0
 
 
 if __name__ == "__main__":

@@ -319,8 +319,14 @@ def weight_bytes(worker: Any) -> tuple[int, int]:
 
 
 def use_bucket_megabytes(worker: Any, megabytes: int) -> None:
-    """On the actor's rank: the bucket size of ``publish_weights`` from now on, as the config key sets it."""
+    """On the actor's rank: the bucket size of ``publish_weights`` from now on, as the config key sets it,
+    above the transport's own limit too (``max_bucket_megabytes``: 64 for the object store)."""
+    from verl_core.workers.replicas import load_transport
+
     worker.config.rollout.update_weights_bucket_megabytes = megabytes
+    if worker.transport is None:
+        worker.transport = load_transport(worker.config, worker.registry)
+    worker.transport.max_bucket_megabytes = None
 
 
 def put_state_dict(worker: Any) -> list[Any]:

@@ -250,6 +250,70 @@ def test_a_third_party_weight_transport_carries_the_weights_as_the_default_does(
     assert len(published) == 3  # the start's weights and each step's
 
 
+class CappedTransport:
+    """In-process buckets of at most 1 MiB (``max_bucket_megabytes``); the buffers' sizes recorded."""
+
+    sizes: list[int] = []
+
+    def __new__(cls):
+        from verl_core.rollout.transport import MemoryTransport
+
+        class Capped(MemoryTransport):
+            max_bucket_megabytes = 1
+
+            def publish(self, buckets):
+                published = super().publish(buckets)
+                cls.sizes.append([bucket.nbytes for bucket in published])
+                return published
+
+        return Capped()
+
+
+def test_the_actor_packs_buckets_no_larger_than_the_transport_takes(demo, tmp_path) -> None:
+    """``rollout.update_weights_bucket_megabytes`` asks 512 MiB; the transport moves at most 1: the
+    buckets of a 5 MB model are packed at 1 (each tensor of it is smaller)."""
+    from fixtures.demo import make_demo_module
+    from transformers import AutoTokenizer
+
+    from verl_core import WeightTransport, hookimpl
+    from verl_core.plugins import Registry
+
+    make_demo = make_demo_module()
+    tokenizer = AutoTokenizer.from_pretrained(demo.model)
+    spec = make_demo.ModelSpec(hidden_size=256, intermediate_size=512, num_hidden_layers=2)
+    model = make_demo.build_model(tokenizer, spec, seed=0)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    assert largest <= 1 << 20 < sum(p.numel() * p.element_size() for p in model.parameters()) // 3
+
+    class Plugin:
+        @hookimpl
+        def verl_weight_transports(self):
+            return [WeightTransport(name="capped", transport=CappedTransport, workers=("in_process",))]
+
+    CappedTransport.sizes.clear()
+    registry = Registry.from_plugins([Plugin()], autoload=True)
+    changes = SEPARATE | {
+        "rollout.weight_transport": "capped",
+        "rollout.update_weights_bucket_megabytes": 512,
+        "actor.engine.model.path": str(tmp_path / "model"),
+        "trainer.total_training_steps": 1,
+    }
+    trainer = RLTrainer.from_config(
+        load_config([], run_overrides(demo, tmp_path, **changes), registry=registry),
+        registry=registry,
+        show_progress=False,
+    )
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    assert CappedTransport.sizes, "the transport published nothing"
+    for sizes in CappedTransport.sizes:
+        assert len(sizes) >= 3 and max(sizes) <= 1 << 20, sizes
+
+
 @pytest.mark.parametrize(
     ("changes", "words"),
     [

@@ -963,3 +963,16 @@ def test_in_process_workers_say_they_ignore_the_ray_settings(tmp_path):
         ConfigWarning, match=r"^trainer\.ray_address: ignored: trainer\.workers is 'in_process'"
     ):
         load(tmp_path, VALID, ["trainer.workers=in_process", "trainer.ray_address=10.0.0.1:6379"])
+
+
+def test_an_existing_cluster_keeps_its_own_object_store(tmp_path):
+    with pytest.warns(
+        ConfigWarning,
+        match=r"^trainer\.ray_object_store_megabytes: ignored: the cluster at trainer\.ray_address has its own",
+    ):
+        load(
+            tmp_path, VALID, ["trainer.ray_address=10.0.0.1:6379", "trainer.ray_object_store_megabytes=1024"]
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        load(tmp_path, VALID, ["trainer.ray_object_store_megabytes=1024"])

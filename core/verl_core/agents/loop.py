@@ -31,7 +31,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import attrs
-import torch
 from tensordict import TensorDict
 
 from verl_core.agents.environment import StepResult
@@ -42,8 +41,7 @@ from verl_core.data.batch import (
     RESPONSE_MASK,
     RESPONSES,
     ROLLOUT_LOG_PROBS,
-    join_prompts_and_responses,
-    left_pad,
+    responses_batch,
 )
 from verl_core.errors import AgentError
 from verl_core.rollout.params import SamplingParams
@@ -332,20 +330,10 @@ class AgentLoop:
         return True
 
     def to_batch(self, conversations: Sequence[Conversation], pad_token_id: int) -> TensorDict:
-        prompt_ids, prompt_mask = left_pad([list(c.prompt_ids) for c in conversations], pad_token_id)
-        width = max([1, *(len(c.response_ids) for c in conversations)])
-        responses = torch.full((len(conversations), width), pad_token_id, dtype=torch.int64)
-        real = torch.zeros(len(conversations), width, dtype=torch.int64)
-        model = torch.zeros_like(real)
-        log_probs = torch.zeros(len(conversations), width)
-        for row, conversation in enumerate(conversations):
-            length = len(conversation.response_ids)
-            responses[row, :length] = torch.tensor(conversation.response_ids, dtype=torch.int64)
-            real[row, :length] = 1
-            model[row, :length] = torch.tensor(conversation.model_mask, dtype=torch.int64)
-            log_probs[row, :length] = torch.tensor(conversation.log_probs)
-        batch = join_prompts_and_responses(
-            prompt_ids, prompt_mask, responses, model, response_attention_mask=real
+        return responses_batch(
+            [conversation.prompt_ids for conversation in conversations],
+            [conversation.response_ids for conversation in conversations],
+            [conversation.log_probs for conversation in conversations],
+            pad_token_id,
+            model_masks=[conversation.model_mask for conversation in conversations],
         )
-        batch[ROLLOUT_LOG_PROBS] = log_probs
-        return batch

@@ -239,6 +239,10 @@ Logger = Literal["console", "tensorboard"]
 LOGGERS: tuple[str, ...] = typing.get_args(Logger)
 
 
+#: The default object store of a local Ray cluster (Ray's own would take 30% of the machine's memory).
+LOCAL_OBJECT_STORE_MEGABYTES = 256
+
+
 @attrs.define
 class TrainerConfig:
     """The ``trainer`` section: run length, evaluation, checkpoints, logging."""
@@ -288,6 +292,11 @@ class TrainerConfig:
     #: Under Ray, a rank that does not answer a liveness check for this many seconds (a stopped or
     #: hung process) stops the run, naming its role and rank; 0 waits for ever.
     worker_timeout_s: float = attrs.field(default=30.0, validator=non_negative)
+    #: The object store of the local Ray cluster a run starts (not of one at ``ray_address``, which has
+    #: its own), in MiB: the weights travel to separate rollout replicas through it, a policy version
+    #: per batch generated ahead (``async_training.max_staleness`` + 1 at most); what does not fit
+    #: spills to disk.
+    ray_object_store_megabytes: int = attrs.field(default=LOCAL_OBJECT_STORE_MEGABYTES, validator=positive)
 
     def check(self) -> Iterator[tuple[str, str]]:
         if self.resume_mode == "resume_path" and not self.resume_from_path:
@@ -308,6 +317,12 @@ class TrainerConfig:
             yield (
                 "ray_address",
                 "ignored: trainer.workers is 'in_process' (no Ray); set trainer.workers=ray to join the cluster",
+            )
+        if self.ray_address and self.ray_object_store_megabytes != LOCAL_OBJECT_STORE_MEGABYTES:
+            yield (
+                "ray_object_store_megabytes",
+                "ignored: the cluster at trainer.ray_address has its own object store "
+                "(ray start --object-store-memory on its nodes)",
             )
         if self.resume_from_path and self.resume_mode != "resume_path":
             yield (

@@ -43,6 +43,7 @@ _EXPORTS = {
     "get_global_counts": _BATCH,
     "join_prompts_and_responses": _BATCH,
     "left_pad": _BATCH,
+    "responses_batch": _BATCH,
     "concat_batches": _BATCH,
     # micro-batching
     "MicroBatchSplit": _MICROBATCH,

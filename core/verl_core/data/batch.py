@@ -32,6 +32,8 @@ constant                   key                  shape       meaning
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import torch
 import torch.distributed as dist
@@ -133,6 +135,42 @@ def join_prompts_and_responses(
         },
         batch_size=[prompts.shape[0]],
     )
+
+
+def responses_batch(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    log_probs: Sequence[Sequence[float]],
+    pad_token_id: int,
+    *,
+    model_masks: Sequence[Sequence[int]] | None = None,
+) -> TensorDict:
+    """The batch contract of a rollout's output from plain lists: ``prompts`` left-padded,
+    ``responses`` right-padded, with ``ROLLOUT_LOG_PROBS`` (each response's sampling log-probs, 0 on
+    padding).
+
+    ``model_masks`` marks, per response, the tokens the model produced (1) among those an environment
+    added (0) in a multi-turn response; it becomes ``RESPONSE_MASK`` while every real token is attended
+    to (``join_prompts_and_responses``). By default every response token is the model's."""
+    prompt_ids, prompt_mask = left_pad([list(prompt) for prompt in prompts], pad_token_id)
+    width = max([1, *(len(response) for response in responses)])
+    response_ids = torch.full((len(responses), width), pad_token_id, dtype=torch.int64)
+    real = torch.zeros(len(responses), width, dtype=torch.int64)
+    rollout_log_probs = torch.zeros(len(responses), width)
+    for row, (response, row_log_probs) in enumerate(zip(responses, log_probs, strict=True)):
+        response_ids[row, : len(response)] = torch.as_tensor(response, dtype=torch.int64)
+        real[row, : len(response)] = 1
+        rollout_log_probs[row, : len(response)] = torch.as_tensor(row_log_probs, dtype=torch.float32)
+    model = real
+    if model_masks is not None:
+        model = torch.zeros_like(real)
+        for row, mask in enumerate(model_masks):
+            model[row, : len(mask)] = torch.as_tensor(mask, dtype=torch.int64)
+    batch = join_prompts_and_responses(
+        prompt_ids, prompt_mask, response_ids, model, response_attention_mask=real
+    )
+    batch[ROLLOUT_LOG_PROBS] = rollout_log_probs
+    return batch
 
 
 def left_pad(

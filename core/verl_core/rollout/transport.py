@@ -26,6 +26,10 @@ class BaseWeightTransport(abc.ABC):
     """Base class of weight transports (see the module docstring). Constructed without arguments, once
     per process that publishes or receives."""
 
+    #: The largest bucket the transport moves well, in MiB (``None``: any): the actor packs each
+    #: version in buckets of ``rollout.update_weights_bucket_megabytes`` or this, the smaller.
+    max_bucket_megabytes: int | None = None
+
     @abc.abstractmethod
     def publish(self, buckets: Iterable[WeightBucket]) -> Any:
         """Send one policy version's ``buckets`` (on the actor's output rank); the handle replicas
@@ -38,7 +42,13 @@ class BaseWeightTransport(abc.ABC):
 
 class ObjectStoreTransport(BaseWeightTransport):
     """Each bucket put once into Ray's object store by the publishing process, which owns it; the
-    handle is the list of references, and a replica fetches one bucket at a time."""
+    handle is the list of references, and a replica fetches one bucket at a time.
+
+    Buckets of at most 64 MiB: a larger object is slower to put and get (docs/benchmarks.md: 512 MiB
+    buckets moved SmolLM2-135M's weights at 113 MB/s, 64 MiB ones at 301, 16 MiB ones at 356), and one
+    larger than the store (a local cluster's is 256 MiB) is allocated outside it."""
+
+    max_bucket_megabytes = 64
 
     def publish(self, buckets: Iterable[WeightBucket]) -> list[Any]:
         import ray

@@ -121,7 +121,9 @@ def worker_groups(config: RunConfig, specs: list[GroupSpec]) -> list[WorkerGroup
         for spec, device, size in zip(specs, devices, sizes, strict=True)
         for rank in range(size)
     ]
-    problems = placement_problems(demands, cluster_nodes(ensure_ray(config.trainer.ray_address)))
+    # The first call of the run: it starts a local cluster.
+    ray = ensure_ray(config.trainer.ray_address, config.trainer.ray_object_store_megabytes)
+    problems = placement_problems(demands, cluster_nodes(ray))
     if problems:
         raise ConfigError(problems)
     groups = []

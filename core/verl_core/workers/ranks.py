@@ -185,7 +185,7 @@ class ActorWorker:
     def publish_weights(self) -> PublishedWeights | None:
         """The policy's full weights for separate rollout replicas (``verl_core.workers.replicas``): on DP
         rank 0's output rank, checked buckets of ``rollout.update_weights_bucket_megabytes`` (the default
-        size with 0) on the CPU, published by the run's weight transport (``rollout.weight_transport``),
+        size with 0; at most the transport's ``max_bucket_megabytes``) on the CPU, published by the run's weight transport (``rollout.weight_transport``),
         whose handle it returns; ``None`` on the other ranks (every rank must call it: gathering sharded
         weights is a collective)."""
         params = ((name, tensor.detach().to("cpu")) for name, tensor in self.policy.get_per_tensor_param())
@@ -193,9 +193,10 @@ class ActorWorker:
             for _ in params:  # take part in the gathers
                 pass
             return None
-        megabytes = self.config.rollout.update_weights_bucket_megabytes or DEFAULT_BUCKET_MEGABYTES
         if self.transport is None:
             self.transport = load_transport(self.config, self.registry)
+        megabytes = self.config.rollout.update_weights_bucket_megabytes or DEFAULT_BUCKET_MEGABYTES
+        megabytes = min(megabytes, self.transport.max_bucket_megabytes or megabytes)
         return self.transport.publish(weight_buckets(params, megabytes << 20))
 
     # -- log-probs ---------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
+from verl_core.config.run import LOCAL_OBJECT_STORE_MEGABYTES
 from verl_core.workers.group import WorkerError, WorkerGroup
 
 #: Set before Ray is imported: sockets on loopback, no sign-in, no usage reporting.
@@ -41,8 +42,6 @@ RAY_ENVIRONMENT = {
 COLLECTIVE_TIMEOUT_S = 120
 #: How long an existing cluster may take to answer.
 CONNECT_TIMEOUT_S = 10.0
-#: The object store of a local cluster (the default would take 30% of the machine's memory).
-LOCAL_OBJECT_STORE_BYTES = 256 * 2**20
 #: How often a local cluster's start is tried before the run fails.
 LOCAL_START_ATTEMPTS = 2
 #: The default of ``trainer.worker_timeout_s``: a rank that does not answer a liveness check for
@@ -58,8 +57,9 @@ PING_INTERVAL_S = 5.0
 LIVENESS_GROUP = "liveness"
 
 
-def ensure_ray(address: str | None) -> Any:
-    """Ray, initialised: a local cluster, or the one at ``address`` (``host:port`` or ``ray://...``).
+def ensure_ray(address: str | None, object_store_megabytes: int = LOCAL_OBJECT_STORE_MEGABYTES) -> Any:
+    """Ray, initialised: a local cluster (with an object store of ``object_store_megabytes``), or the
+    one at ``address`` (``host:port`` or ``ray://...``). A cluster already initialised is kept as it is.
 
     The caller's SIGTERM handler survives ``ray.init`` (which installs its own, and a native one
     that dumps a stack trace and aborts), so that a stop request ends the run the caller's way.
@@ -74,13 +74,13 @@ def ensure_ray(address: str | None) -> Any:
         return ray
     with _keep_sigterm_handler():
         if address is None:
-            _start_local_cluster(ray)
+            _start_local_cluster(ray, object_store_megabytes << 20)
         else:
             ray.init(address=address, log_to_driver=True)
     return ray
 
 
-def _start_local_cluster(ray: Any) -> None:
+def _start_local_cluster(ray: Any, object_store_bytes: int) -> None:
     """``ray.init`` of a local cluster, tried twice: on a machine whose cores are all busy, Ray's own
     processes can miss the deadlines of their first RPCs (``Failed to get node info: ... Deadline
     Exceeded``), and a second start, after the first one's processes are shut down, gets through."""
@@ -89,7 +89,7 @@ def _start_local_cluster(ray: Any) -> None:
             with _without_api_server(ray):
                 ray.init(
                     include_dashboard=False,
-                    object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                    object_store_memory=object_store_bytes,
                     _temp_dir="/tmp/verl_ray",
                     log_to_driver=True,
                 )

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,13 +29,7 @@ import attrs
 import torch
 from tensordict import TensorDict
 
-from verl_core.data.batch import (
-    ROLLOUT_LOG_PROBS,
-    ROLLOUT_POLICY_VERSIONS,
-    concat_batches,
-    join_prompts_and_responses,
-    left_pad,
-)
+from verl_core.data.batch import RESPONSE_MASK, ROLLOUT_POLICY_VERSIONS, concat_batches, responses_batch
 from verl_core.engine.topology import Topology
 from verl_core.hookspecs import Kind
 from verl_core.rollout.base import SamplingParams
@@ -131,12 +125,12 @@ class RolloutReplicas:
         """One response per prompt, as ``Actor.generate`` on as many DP ranks as there are replicas."""
         if not prompts:
             raise ValueError("generate() needs at least one prompt")
-        shares = [
-            ([prompts[i] for i in shard.tolist()], sampling, derive_seed("rollout", seed, replica))
+        shares = {
+            replica: ([prompts[i] for i in shard.tolist()], sampling, derive_seed("rollout", seed, replica))
             for replica, shard in enumerate(contiguous_shards(len(prompts), len(self.groups)))
-        ]
-        results = self._each(RolloutReplicaWorker.generate, shares)
-        return concat_batches([part for part in results if part is not None], sampling.pad_token_id)
+            if len(shard)  # fewer prompts than replicas: the last ones have none
+        }
+        return concat_batches(self._each(RolloutReplicaWorker.generate, shares), sampling.pad_token_id)
 
     def replica_for(self, session: str) -> int:
         """The replica that serves every request of ``session`` (a conversation): the same one each
@@ -205,13 +199,15 @@ class RolloutReplicas:
                 for index in range(len(requests)):
                     if index not in finished:
                         versions[index].append((len(requests[index].generated), version))
-        return responses_batch(
+        return tagged_responses_batch(
             prompts, [finished[index] for index in range(len(requests))], versions, sampling.pad_token_id
         )
 
     def update_weights(self, published: PublishedWeights, version: int) -> None:
         """Every replica takes the weights of policy ``version``."""
-        self._each(RolloutReplicaWorker.update_weights, [(published, version)] * len(self.groups))
+        self._each(
+            RolloutReplicaWorker.update_weights, dict.fromkeys(range(len(self.groups)), (published, version))
+        )
         self.version = version
 
     def shutdown(self) -> None:
@@ -219,45 +215,38 @@ class RolloutReplicas:
             group.shutdown()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _each(self, method: Any, args: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
-        """``method`` on every replica (``args[i]`` for replica ``i``; a replica with an empty prompt
-        share is skipped, ``None``), side by side; the results in replica order. A failure raises its
+    def _each(self, method: Any, args: Mapping[int, tuple[Any, ...]] | None = None) -> list[Any]:
+        """``method`` on the replicas ``args`` names (``args[i]`` for replica ``i``; by default every
+        replica, without arguments), side by side; the results in replica order. A failure raises its
         ``WorkerError``, which names the replica."""
-        args = [()] * len(self.groups) if args is None else args
+        args = dict.fromkeys(range(len(self.groups)), ()) if args is None else args
 
         def call(replica: int) -> Any:
-            if args[replica] and isinstance(args[replica][0], list) and not args[replica][0]:
-                return None  # fewer prompts than replicas
             with self._locks[replica]:
                 (result,) = self.groups[replica].call(method, *args[replica])
             return result
 
-        futures = [self._pool.submit(call, replica) for replica in range(len(self.groups))]
+        futures = [self._pool.submit(call, replica) for replica in sorted(args)]
         return [future.result() for future in futures]
 
 
-def responses_batch(
+def tagged_responses_batch(
     prompts: Sequence[Sequence[int]],
     responses: Sequence[RolloutResponse],
     versions: Sequence[Sequence[tuple[int, int]]],
     pad_token_id: int,
 ) -> TensorDict:
-    """The batch contract of ``prompts`` and their ``responses``, with ``ROLLOUT_LOG_PROBS`` and
-    ``ROLLOUT_POLICY_VERSIONS`` (each response's ``versions``: ``(first token, version)`` in order)."""
-    prompt_ids, prompt_mask = left_pad([list(prompt) for prompt in prompts], pad_token_id)
-    width = max(1, *(len(response.token_ids) for response in responses))
-    response_ids = torch.full((len(responses), width), pad_token_id, dtype=torch.int64)
-    response_mask = torch.zeros(len(responses), width, dtype=torch.int64)
-    log_probs = torch.zeros(len(responses), width)
-    tagged = torch.zeros(len(responses), width, dtype=torch.int64)
-    for row, (response, parts) in enumerate(zip(responses, versions, strict=True)):
-        length = len(response.token_ids)
-        response_ids[row, :length] = torch.tensor(response.token_ids, dtype=torch.int64)
-        response_mask[row, :length] = 1
-        log_probs[row, :length] = torch.tensor(response.log_probs)
+    """The batch contract of ``prompts`` and their ``responses``, with ``ROLLOUT_POLICY_VERSIONS`` (each
+    response's ``versions``: ``(first token, version)`` in order)."""
+    batch = responses_batch(
+        prompts,
+        [response.token_ids for response in responses],
+        [response.log_probs for response in responses],
+        pad_token_id,
+    )
+    tagged = torch.zeros_like(batch[RESPONSE_MASK])
+    for row, parts in enumerate(versions):
         for start, version in parts:
             tagged[row, start:] = version
-    batch = join_prompts_and_responses(prompt_ids, prompt_mask, response_ids, response_mask)
-    batch[ROLLOUT_LOG_PROBS] = log_probs
     batch[ROLLOUT_POLICY_VERSIONS] = tagged
     return batch

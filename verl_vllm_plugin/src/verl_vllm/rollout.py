@@ -42,7 +42,7 @@ import torch
 from tensordict import TensorDict
 
 from verl_core.config.engine import ModelConfig
-from verl_core.data.batch import ROLLOUT_LOG_PROBS, join_prompts_and_responses, left_pad
+from verl_core.data.batch import responses_batch
 from verl_core.errors import RolloutError
 from verl_core.rollout.base import BaseRollout
 from verl_core.rollout.buckets import WeightBucket, unpack_buckets
@@ -318,19 +318,12 @@ class VLLMRollout(BaseRollout):
         """The batch contract: prompts left-padded, responses (ending with their EOS) right-padded."""
         for flight in flights:
             finish_reason(flight.tokens, sampling)  # a response that stopped short is vLLM's bug: raise
-        prompt_ids, prompt_mask = left_pad([list(prompt) for prompt in prompts], sampling.pad_token_id)
-        width = max(len(flight.tokens) for flight in flights)
-        responses = torch.full((len(flights), width), sampling.pad_token_id, dtype=torch.int64)
-        response_mask = torch.zeros(len(flights), width, dtype=torch.int64)
-        log_probs = torch.zeros(len(flights), width)
-        for row, flight in enumerate(flights):
-            length = len(flight.tokens)
-            responses[row, :length] = torch.tensor(flight.tokens, dtype=torch.int64)
-            response_mask[row, :length] = 1
-            log_probs[row, :length] = torch.tensor(flight.log_probs)
-        output = join_prompts_and_responses(prompt_ids, prompt_mask, responses, response_mask)
-        output[ROLLOUT_LOG_PROBS] = log_probs
-        return output
+        return responses_batch(
+            prompts,
+            [flight.tokens for flight in flights],
+            [flight.log_probs for flight in flights],
+            sampling.pad_token_id,
+        )
 
     # -- contract 2: requests, sleep -------------------------------------------------------------
 

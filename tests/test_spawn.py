@@ -108,6 +108,29 @@ def test_a_rank_that_exits_without_a_traceback_is_named_with_its_exit_code(tmp_p
     assert_nothing_left(marker, tmp_path, range(1))
 
 
+def aborts_deep_in_a_stack(rank: Rank, depth: int = 80) -> None:
+    """A native library's fatal error in a forward pass: its message, then an abort, under many frames."""
+    if depth:
+        return aborts_deep_in_a_stack(rank, depth - 1)
+    print("noise " * 2000, flush=True)
+    sys.stderr.write("terminate called after throwing an instance of 'gloo::IoException'\n")
+    sys.stderr.write("  what():  [simulated] Connection closed by peer\n")
+    sys.stderr.flush()
+    os.abort()
+
+
+def test_a_crash_is_reported_with_what_caused_it_not_only_its_last_frames(tmp_path) -> None:
+    """faulthandler writes the innermost frames first: the report keeps the crash's start and the
+    native message before it, however long the stack."""
+    with pytest.raises(SpawnError) as error:
+        spawn(aborts_deep_in_a_stack, world_size=1, workdir=tmp_path, timeout_s=120)
+    message = str(error.value)
+    assert "exit code -6" in message
+    assert "what():  [simulated] Connection closed by peer" in message
+    assert "Fatal Python error: Aborted" in message
+    assert "aborts_deep_in_a_stack" in message
+
+
 #: The timeouts the hang is tried with, in turn. The rank dumps its stacks 3 s before the timeout, and
 #: must have imported torch, joined the group and reached the hang by then: seconds on a quiet machine,
 #: over 20 s on one loaded by other jobs (8 s once did not do, in CI; 20 s did not under a load of 10).

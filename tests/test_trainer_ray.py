@@ -126,6 +126,7 @@ class _FlakyRay:
 
     def init(self, **kwargs) -> None:
         self.inits += 1
+        self.kwargs = kwargs
         if self.inits <= self.failures:
             raise Exception("Failed to get node info: RPC error: Deadline Exceeded")
 
@@ -137,13 +138,14 @@ def test_a_local_ray_start_that_misses_a_deadline_is_tried_once_more(capfd) -> N
     from verl_core.workers import ray_group
 
     ray = _FlakyRay(failures=1)
-    ray_group._start_local_cluster(ray)
-    assert (ray.inits, ray.shutdowns) == (2, 1)  # the failed start's processes are shut down first
+    ray_group._start_local_cluster(ray, 300 << 20)
+    assert (ray.inits, ray.shutdowns) == (2, 1)
+    assert ray.kwargs["object_store_memory"] == 300 << 20  # trainer.ray_object_store_megabytes  # the failed start's processes are shut down first
     assert "starting Ray failed (Failed to get node info" in capfd.readouterr().err
 
     ray = _FlakyRay(failures=ray_group.LOCAL_START_ATTEMPTS)
     with pytest.raises(WorkerError, match=r"could not start a local Ray cluster \(2 attempts\).*Deadline"):
-        ray_group._start_local_cluster(ray)
+        ray_group._start_local_cluster(ray, 300 << 20)
     assert ray.shutdowns == ray_group.LOCAL_START_ATTEMPTS
 
 

@@ -291,7 +291,15 @@ def _tail(path: Path) -> str:
         text = path.read_text(errors="replace")
     except OSError:
         return "(no log: the process died before it started)"
-    return text[-LOG_TAIL_CHARS:] if text.strip() else "(empty log)"
+    if not text.strip():
+        return "(empty log)"
+    crash = text.find("Fatal Python error")
+    if crash >= 0:
+        # faulthandler's report of a crash lists the innermost frames first, and what a C++ library
+        # printed just before it (an uncaught exception's what()) says why: keep those, not the tail.
+        start = max(0, crash - LOG_TAIL_CHARS // 4)
+        return ("..." if start else "") + text[start : start + LOG_TAIL_CHARS]
+    return text[-LOG_TAIL_CHARS:]
 
 
 def _rank_main(

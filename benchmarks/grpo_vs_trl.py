@@ -73,7 +73,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import fit_timed  # noqa: E402
+from _common import fit_timed, machine_description  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MAKE_DEMO = REPO / "examples" / "demo" / "make_demo.py"
@@ -476,7 +476,13 @@ def main() -> int:
         f"TRL {version or 'not installed'}; generating with "
         + (f"{vllm} on both sides, each run a fresh process" if vllm else "each trainer's own loop")
     )
+    machine = machine_description()
+    print(
+        f"{machine['cpu']}, {machine['cores']} cores, flags {' '.join(machine['flags'])} "
+        f"(torch CPU capability {machine['torch_capability']})"
+    )
     report: dict[str, Any] = {
+        "machine": machine,
         "settings": {key: getattr(args, key) for key in SETTINGS} | {"threads_tried": thread_counts},
         "versions": {
             "torch": torch.__version__,

@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import grpo_vs_trl  # noqa: E402  (a sibling script)
-from _common import machine_limits  # noqa: E402
+from _common import machine_description, machine_limits  # noqa: E402
 from _smollm2 import chat_prompt_ids, head_parameters, open_model, parameter_count  # noqa: E402
 
 QUESTIONS = [
@@ -253,6 +253,8 @@ def measure_grpo(model_dir: Path, args: argparse.Namespace, limits: dict[str, fl
     # The update runs each trained token forward and backward: 6 FLOPs per token and weight of the
     # layers; the head (tied to the embeddings, whose lookup costs nothing) only at the response
     # tokens, as both trainers keep only their logits. Attention's own products are a few percent here.
+    # Our packed micro-batches compute a group's prompt once (micro_batch.share_prompts); TRL runs it
+    # for every sample: each side's limit counts what it computes.
     head = head_parameters(model_dir)
     throughput = limits["matmul_float32_GFLOPs"] * 1e9
     for side in ("ours", "ours_bf16", "ours_vllm", "trl_run", "trl_bf16", "trl_vllm"):
@@ -263,8 +265,17 @@ def measure_grpo(model_dir: Path, args: argparse.Namespace, limits: dict[str, fl
                 phases["forward_backward"] if side.startswith("trl") else phases["update_actor"]
             )
             responses = result["tokens_per_step"]
-            tokens = args.prompts * args.group * prompt_tokens + responses
-            result["update_limit_s"] = 6 * ((parameters - head) * tokens + head * responses) / throughput
+            every_prompt = args.prompts * args.group * prompt_tokens + responses
+            once_a_group = args.prompts * prompt_tokens + responses
+            for name, tokens in (
+                ("update_limit_unshared_s", every_prompt),
+                ("update_limit_shared_s", once_a_group),
+            ):
+                result[name] = 6 * ((parameters - head) * tokens + head * responses) / throughput
+            shared = not side.startswith("trl")
+            result["update_limit_s"] = result[
+                "update_limit_shared_s" if shared else "update_limit_unshared_s"
+            ]
     report["parameters"] = parameters
     report["mean_prompt_tokens"] = prompt_tokens
     return report
@@ -317,11 +328,14 @@ def main() -> int:
     if model_dir is None:
         return 2
     torch.set_num_threads(args.threads)
-    report: dict[str, Any] = {"model": str(model_dir), "threads": args.threads}
+    machine = machine_description()
+    report: dict[str, Any] = {"model": str(model_dir), "threads": args.threads, "machine": machine}
     limits = machine_limits(rounds=5)
     report["limits"] = limits
     print(
         f"SmolLM2-135M-Instruct ({model_dir}), {args.threads} thread(s), torch {torch.__version__}\n"
+        f"{machine['cpu']}, {machine['cores']} cores, flags {' '.join(machine['flags'])} "
+        f"(torch CPU capability {machine['torch_capability']})\n"
         f"limits: streaming read {limits['stream_GBps']:.1f} GB/s, matmul float32 "
         f"{limits['matmul_float32_GFLOPs']:.0f} GFLOP/s, bfloat16 {limits['matmul_bfloat16_GFLOPs']:.0f} GFLOP/s"
     )
@@ -361,7 +375,8 @@ def main() -> int:
             print(
                 f"{side}: {result['step_s']:.2f} s/step, {result['tokens_per_step']:.0f} response tokens/step; "
                 f"update {result['update_s']:.2f} s, its limit {result['update_limit_s']:.2f} s "
-                f"({result['update_limit_s'] / result['update_s']:.0%})\n"
+                f"({result['update_limit_s'] / result['update_s']:.0%}; every sample's prompt: "
+                f"{result['update_limit_unshared_s']:.2f} s)\n"
                 f"      phases: {grpo_vs_trl.phase_line(result['phases_s'], result['step_s'])}"
             )
         if "trl_run" in grpo:

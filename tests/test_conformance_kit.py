@@ -207,6 +207,58 @@ class CrossingPackingEngine(DDPEngine):
             hf.pack_sequences = original
 
 
+class _SharedPackingEngine(DDPEngine):
+    """Runs its forward passes with ``pack_sequences`` replaced by ``self.layout(original, ...)``."""
+
+    def forward_backward_batch(self, batch, loss_fn, forward_only):
+        from verl_core.toolkit import forward as hf
+
+        original = hf.pack_sequences
+        hf.pack_sequences = lambda mask, length, groups=None: self.layout(
+            original(mask, length, groups), mask, groups
+        )
+        try:
+            return super().forward_backward_batch(batch, loss_fn, forward_only)
+        finally:
+            hf.pack_sequences = original
+
+
+class SiblingAttendingEngine(_SharedPackingEngine):
+    """Shares a group's prompt by packing the group as one causal sequence (prompt, then each
+    sample's response): positions are right, but a response also reads its siblings' earlier tokens."""
+
+    @staticmethod
+    def layout(packed, attention_mask, groups):
+        if groups is None:
+            return packed
+        rows_of_tokens = torch.arange(len(groups))[:, None].expand_as(packed.mask)[packed.mask]
+        token_groups = groups[rows_of_tokens]
+        members = [torch.nonzero(token_groups == group).flatten() for group in torch.unique(groups)]
+        longest = max(len(tokens) for tokens in members)
+        rows = torch.zeros(len(members), longest, dtype=torch.long)
+        slots = torch.zeros(len(token_groups), dtype=torch.long)
+        for index, tokens in enumerate(members):
+            rows[index, : len(tokens)] = tokens
+            slots[tokens] = index * longest + torch.arange(len(tokens))
+        return attrs.evolve(packed, rows=rows, slots=slots, longest=longest)
+
+
+class RestartingPositionsEngine(_SharedPackingEngine):
+    """Shares prompts, but numbers each response's positions from 0 instead of from its prompt's end."""
+
+    @staticmethod
+    def layout(packed, attention_mask, groups):
+        if groups is None:
+            return packed
+        batch, width = attention_mask.shape
+        prompt_width = width - packed.response_present.shape[1]
+        rows_of_tokens = torch.arange(batch)[:, None].expand(batch, width)[packed.mask]
+        in_response = torch.arange(width)[None].expand(batch, width)[packed.mask] >= prompt_width
+        prompt_lengths = attention_mask[:, :prompt_width].sum(dim=-1)
+        positions = packed.position_ids[0] - torch.where(in_response, prompt_lengths[rows_of_tokens], 0)
+        return attrs.evolve(packed, position_ids=positions[None])
+
+
 class LastChunkDroppingEngine(DDPEngine):
     """Computes log-probs chunk by chunk but forgets the tokens after the last whole chunk (zeros)."""
 
@@ -355,13 +407,26 @@ BROKEN_ENGINES = {
 }
 
 
+#: Broken engines that declare ``EngineBackend(shared_prompts=True)``.
+BROKEN_SHARING_ENGINES = {
+    "ddp-sibling-attending": SiblingAttendingEngine,
+    "ddp-restarting-positions": RestartingPositionsEngine,
+}
+
+
 @hookimpl
 def verl_engine_backends() -> list[EngineBackend]:
     return [
         EngineBackend(
-            name=name, engine=engine, config=DDPConfig, roles=("lm",), devices=("cpu",), api_version=1
+            name=name,
+            engine=engine,
+            config=DDPConfig,
+            roles=("lm",),
+            devices=("cpu",),
+            api_version=1,
+            shared_prompts=name in BROKEN_SHARING_ENGINES,
         )
-        for name, engine in BROKEN_ENGINES.items()
+        for name, engine in (BROKEN_ENGINES | BROKEN_SHARING_ENGINES).items()
     ] + [
         EngineBackend(
             name="ddp-emulated-model-parallel",
@@ -390,7 +455,9 @@ BROKEN_RUNS = {
         "ddp-forgetful-scheduler": ("checkpoint", "lr_schedule"),
         "ddp-inner-optimizer-scheduler": ("lr_schedule", "first_step"),
         "ddp-lazy-offload": ("offload",),
-        "ddp-crossing-packing": ("packing", "log_probs"),
+        "ddp-crossing-packing": ("packing", "log_probs", "shared_prompts"),
+        "ddp-sibling-attending": ("packing", "shared_prompts"),
+        "ddp-restarting-positions": ("packing", "shared_prompts"),
         "ddp-last-chunk-dropping": ("logits_chunks", "log_probs"),
         "ddp-unfinished-port": ("log_probs", "hf_export", "weight_export"),
         "ddp-micro-batch-mean": ("micro_batch_invariance",),
@@ -545,6 +612,24 @@ def test_attention_across_packed_sequences_is_caught_by_the_packing_check(broken
     assert report["log_probs"].passed, report.summary()  # padded micro-batches are fine
     failing = failing_quantities(report, "packing")
     assert "packed: log_probs" in failing and "packed: loss" in failing, report.summary()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", sorted(BROKEN_SHARING_ENGINES))
+def test_a_shared_prompt_read_wrongly_is_caught_by_the_shared_prompts_check(broken_at_1, backend) -> None:
+    """Responses that read their siblings' tokens, or whose positions restart after the shared prompt:
+    packing every prompt is fine, sharing them is not."""
+    report = broken_at_1[backend]
+    assert report["packing"].passed, report.summary()
+    failing = failing_quantities(report, "shared_prompts")
+    assert "shared prompts: log_probs" in failing and "shared prompts: loss" in failing, report.summary()
+
+
+@pytest.mark.distributed
+def test_the_shared_prompts_check_skips_a_backend_that_does_not_declare_it(broken_at_1) -> None:
+    outcome = broken_at_1["ddp-crossing-packing"]["shared_prompts"]
+    assert outcome.status == "skipped", outcome.describe()
+    assert "does not declare EngineBackend(shared_prompts=True)" in outcome.describe()
 
 
 @pytest.mark.distributed

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from verl_core.config.engine import ModelConfig
-from verl_core.data import COMPUTE_ENTROPY, TEMPERATURE
+from verl_core.data import COMPUTE_ENTROPY, TEMPERATURE, responses_batch
 from verl_core.testing import collate, make_samples, response_token_mask, save_tiny_models
+from verl_core.testing.tiny import VOCAB_SIZE
 from verl_core.toolkit import forward_micro_batch, load_hf_model, pack_sequences
 from verl_core.toolkit.packing import prompt_groups
 from verl_core.toolkit.varlen import VARLEN_SDPA, varlen_sdpa_attention
@@ -130,3 +133,54 @@ def test_varlen_attention_equals_each_sequence_attending_alone(sliding_window) -
         weights = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf")).softmax(-1)
         expected = (weights @ v).transpose(1, 2)
         torch.testing.assert_close(output[:, start:end], expected, atol=1e-6, rtol=1e-5)
+
+
+@st.composite
+def prompt_groups_batch(draw):
+    """GRPO-style rows: groups of samples with one prompt each (lengths, group sizes and padding
+    drawn), every sample its own response (at least one token)."""
+    tokens = st.integers(1, VOCAB_SIZE - 1)
+    prompts, responses = [], []
+    for _ in range(draw(st.integers(1, 3))):
+        prompt = draw(st.lists(tokens, min_size=1, max_size=7))
+        for _ in range(draw(st.integers(1, 4))):
+            prompts.append(prompt)
+            responses.append(draw(st.lists(tokens, min_size=1, max_size=6)))
+    if draw(st.booleans()):  # the groups' rows interleaved, as after a shuffle
+        order = draw(st.permutations(range(len(prompts))))
+        prompts, responses = [prompts[i] for i in order], [responses[i] for i in order]
+    batch = responses_batch(prompts, responses, [[0.0] * len(r) for r in responses], pad_token_id=0)
+    batch.set_non_tensor(TEMPERATURE, 0.7)
+    batch.set_non_tensor(COMPUTE_ENTROPY, True)
+    return batch
+
+
+@pytest.fixture(scope="module")
+def shared_and_padded(dirs):
+    config = ModelConfig(path=dirs.lm)
+    return load_hf_model(config, "lm", packing=True), load_hf_model(config, "lm", packing=False)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=prompt_groups_batch())
+def test_shared_prompts_give_the_unshared_log_probs_and_gradients(shared_and_padded, batch) -> None:
+    """Each group's prompt packed once (its samples' responses reading that copy) against every
+    sample computed with its own prompt, padded: log-probs and entropy within 1e-5, gradients 1e-6."""
+    mask = response_token_mask(batch)
+    results = []
+    for model, packing in zip(shared_and_padded, (True, False), strict=True):
+        model.zero_grad(set_to_none=True)
+        outputs = forward_micro_batch(model, batch, "lm", packing=packing, share_prompts=True)
+        sum((value * mask).sum() for value in outputs.values()).backward()
+        results.append((outputs, {name: p.grad.clone() for name, p in model.named_parameters()}))
+    (shared, shared_grads), (padded, padded_grads) = results
+    for name in padded:
+        torch.testing.assert_close(shared[name] * mask, padded[name] * mask, atol=1e-5, rtol=1e-5, msg=name)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    groups = prompt_groups(batch["input_ids"], batch["attention_mask"], batch["responses"].shape[-1])
+    packed = pack_sequences(batch["attention_mask"], batch["responses"].shape[-1], groups)
+    prompt_tokens = batch["attention_mask"][:, : -batch["responses"].shape[-1]].sum(dim=-1)
+    # Each distinct prompt was packed once: the packed tokens are the responses plus one prompt per group.
+    distinct = sum(int(prompt_tokens[groups == g][0]) for g in groups.unique())
+    assert int(packed.mask.sum()) == int(mask.sum()) + distinct

@@ -139,8 +139,8 @@ def test_a_local_ray_start_that_misses_a_deadline_is_tried_once_more(capfd) -> N
 
     ray = _FlakyRay(failures=1)
     ray_group._start_local_cluster(ray, 300 << 20)
-    assert (ray.inits, ray.shutdowns) == (2, 1)
-    assert ray.kwargs["object_store_memory"] == 300 << 20  # trainer.ray_object_store_megabytes  # the failed start's processes are shut down first
+    assert (ray.inits, ray.shutdowns) == (2, 1)  # the failed start's processes are shut down first
+    assert ray.kwargs["object_store_memory"] == 300 << 20  # trainer.ray_object_store_megabytes
     assert "starting Ray failed (Failed to get node info" in capfd.readouterr().err
 
     ray = _FlakyRay(failures=ray_group.LOCAL_START_ATTEMPTS)

@@ -191,3 +191,40 @@ def test_filled_rows_are_the_batch_then_copies_of_its_first_rows() -> None:
     assert filled_rows(6, 3).tolist() == list(range(6))
     with pytest.raises(ValueError, match="at least one row"):
         filled_rows(0, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    groups=st.integers(1, 8),
+    group_size=st.integers(1, 8),
+    dp_size=st.integers(1, 4),
+    data=st.data(),
+)
+def test_the_samples_of_a_prompt_go_to_one_rank_when_the_groups_divide(
+    groups, group_size, dp_size, data
+) -> None:
+    """GRPO's groups (one size, a count the DP size divides) stay whole on one rank, the shards equal;
+    any other grouping is balanced row by row, as without groups."""
+    rows = groups * group_size
+    if rows % dp_size:
+        return
+    lengths = data.draw(st.lists(st.integers(1, 100), min_size=rows, max_size=rows))
+    uid = [row // group_size for row in range(rows)]
+    shards = balanced_shards(lengths, dp_size, uid)
+    assert sorted(torch.cat(shards).tolist()) == list(range(rows))
+    assert {len(shard) for shard in shards} == {rows // dp_size}
+    owners: dict[int, set[int]] = {}
+    for rank, shard in enumerate(shards):
+        for row in shard.tolist():
+            owners.setdefault(uid[row], set()).add(rank)
+    if groups % dp_size == 0:
+        assert all(len(ranks) == 1 for ranks in owners.values()), owners
+        loads = [sum(lengths[i] for i in shard.tolist()) for shard in shards]
+        heaviest_group = max(
+            sum(lengths[r] for r in range(g * group_size, (g + 1) * group_size)) for g in range(groups)
+        )
+        assert max(loads) - min(loads) <= heaviest_group
+    else:
+        assert [shard.tolist() for shard in shards] == [
+            shard.tolist() for shard in balanced_shards(lengths, dp_size)
+        ]

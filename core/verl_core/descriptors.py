@@ -191,6 +191,11 @@ class EngineBackend:
     same name; without it, two providers of one name are an error. ``lora=True`` states that the
     engine trains LoRA adapters (``model.lora_rank``, docs/lora.md): engines built on ``HFEngine``
     get it from the toolkit and pass the kit's ``lora`` check; without it a LoRA config is refused.
+    ``shared_prompts=True`` states that in a packed micro-batch the engine computes a prompt that
+    several rows share (a GRPO group's ``n`` samples) once, their responses attending to that one copy,
+    with the unshared results (the kit's ``shared_prompts`` check); engines built on ``HFEngine`` get
+    it from the toolkit. Runs then share prompts by default (``micro_batch.share_prompts``); without
+    it ``share_prompts: true`` is refused.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -206,6 +211,7 @@ class EngineBackend:
     description: str = ""
     override: bool = False
     lora: bool = False
+    shared_prompts: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.api_version is None:

@@ -138,9 +138,9 @@ class MicroBatchConfig:
     use_dynamic_bsz: bool = False
     #: Token budget per micro-batch on each rank (counts ``attention_mask`` tokens).
     max_token_len: int = attrs.field(default=8192, validator=positive)
-    #: Run each micro-batch padding-free: its sequences concatenated without pad tokens, a prompt
-    #: shared by several samples computed once, attention kept within each sequence (engines built
-    #: on ``HFEngine``; the conformance kit's ``packing`` check holds a backend to the padded results).
+    #: Run each micro-batch padding-free: its sequences concatenated without pad tokens, attention
+    #: kept within each sequence (engines built on ``HFEngine``; the conformance kit's ``packing``
+    #: check holds a backend to the padded results); see ``share_prompts``.
     packing: bool = True
     #: Compute the log-probs and entropy of a micro-batch predicting more tokens than this from the
     #: LM head a chunk of this many tokens at a time, so that its ``[tokens, vocabulary]`` logits never
@@ -148,6 +148,20 @@ class MicroBatchConfig:
     #: ``null``: always whole. Models whose head is not a plain linear layer always run whole
     #: (``verl_core.toolkit.model.PLAIN_HEAD_MODEL_TYPES``).
     logits_chunk_size: int | None = attrs.field(default=1024, validator=positive)
+    #: In a packed micro-batch, compute a prompt that several rows share (the ``n`` samples of a GRPO
+    #: group) once, every sample's response attending to that copy: the same log-probs and gradients,
+    #: the prompt's work done once per group instead of once per sample. ``null``: where the engine
+    #: backend declares it (``EngineBackend(shared_prompts=True)``); ``true`` requires it; ``false``
+    #: packs every row's prompt (to compare).
+    share_prompts: bool | None = None
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        if self.share_prompts and not self.packing:
+            yield (
+                "share_prompts",
+                "true needs packing: true (a shared prompt is one copy in a padding-free micro-batch); "
+                "set packing: true, or unset share_prompts",
+            )
 
 
 @attrs.define
@@ -167,3 +181,12 @@ class EngineConfig:
     param_offload: bool = False
     optimizer_offload: bool = False
     seed: int = 0
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        if self.micro_batch.share_prompts and self.model.attn_implementation != "sdpa":
+            yield (
+                "micro_batch.share_prompts",
+                f"true needs model.attn_implementation: sdpa, not {self.model.attn_implementation!r}: "
+                "variable-length kernels (flash attention) take one contiguous sequence per sample, "
+                "which a shared prompt is not; unset share_prompts to pack every prompt",
+            )

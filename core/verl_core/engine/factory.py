@@ -6,6 +6,8 @@ import inspect
 import warnings
 from typing import TYPE_CHECKING
 
+import attrs
+
 from verl_core.config.engine import EngineConfig
 from verl_core.deprecation import declare, moved_names
 from verl_core.descriptors import ModelRole
@@ -63,9 +65,12 @@ def build_engine(
             ]
         )
 
-    refusal = lora_refusal(config, registry, config_path)
-    if refusal is not None:
-        raise ConfigError([refusal])
+    refusals = capability_refusals(config, registry, config_path)
+    if refusals:
+        raise ConfigError(refusals)
+    if config.micro_batch.share_prompts is None:  # the backend's own default
+        micro_batch = attrs.evolve(config.micro_batch, share_prompts=backend.shared_prompts)
+        config = attrs.evolve(config, micro_batch=micro_batch)
     return _construct(load_engine_class(entry), config, role, config_path)
 
 
@@ -95,24 +100,44 @@ def load_engine_class(entry: Entry) -> type[BaseEngine]:
     return engine_class
 
 
-def lora_refusal(config: EngineConfig, registry: Registry, config_path: str) -> tuple[str, str] | None:
-    """The ``(key, message)`` refusing ``config``'s LoRA keys when its backend does not declare
-    ``EngineBackend(lora=True)``; ``None`` when LoRA is off or the backend trains it. Also the run's
-    early checks (``verl_core.trainer.preflight``), so that a refusal comes before any worker starts."""
+def capability_refusals(config: EngineConfig, registry: Registry, config_path: str) -> list[tuple[str, str]]:
+    """The ``(key, message)`` refusing each of ``config``'s settings that need a capability its backend
+    does not declare: LoRA (``EngineBackend(lora=True)``) and ``micro_batch.share_prompts: true``
+    (``EngineBackend(shared_prompts=True)``). Also the run's early checks
+    (``verl_core.trainer.preflight``), so that a refusal comes before any worker starts."""
     entry = registry.entry(Kind.ENGINE_BACKENDS, config.backend, where=f"{config_path}.backend")
-    if not config.model.lora or entry.descriptor.lora:
-        return None
-    key = config.model.lora_key
-    trains_lora = sorted(
-        other.name for other in registry.entries(Kind.ENGINE_BACKENDS) if other.descriptor.lora
-    )
-    return (
-        f"{config_path}.model.{key}",
-        f"engine backend '{config.backend}' from {entry.provider} does not train LoRA adapters (it does not "
-        "declare EngineBackend(lora=True)): LoRA comes with core's HFEngine toolkit, where peft adapts the "
-        "Hugging Face model's linear layers, and an engine with layers of its own (megatron-core's "
-        "tensor-parallel ones) would need adapters of its own; unset it to train the full model, or use a "
-        f"backend that trains LoRA: {trains_lora}",
+    backend = f"engine backend '{config.backend}' from {entry.provider}"
+    refusals = []
+    if config.model.lora and not entry.descriptor.lora:
+        refusals.append(
+            (
+                f"{config_path}.model.{config.model.lora_key}",
+                f"{backend} does not train LoRA adapters (it does not declare EngineBackend(lora=True)): LoRA "
+                "comes with core's HFEngine toolkit, where peft adapts the Hugging Face model's linear layers, "
+                "and an engine with layers of its own (megatron-core's tensor-parallel ones) would need "
+                "adapters of its own; unset it to train the full model, or use a backend that trains LoRA: "
+                f"{_declaring(registry, 'lora')}",
+            )
+        )
+    if config.micro_batch.share_prompts and not entry.descriptor.shared_prompts:
+        refusals.append(
+            (
+                f"{config_path}.micro_batch.share_prompts",
+                f"{backend} does not compute shared prompts once (it does not declare "
+                "EngineBackend(shared_prompts=True); megatron runs its micro-batches padded, without "
+                "packing); unset it to let the backend choose, or use a backend that shares prompts: "
+                f"{_declaring(registry, 'shared_prompts')}",
+            )
+        )
+    return refusals
+
+
+def _declaring(registry: Registry, capability: str) -> list[str]:
+    """The engine backends whose descriptor declares ``capability``."""
+    return sorted(
+        entry.descriptor.name
+        for entry in registry.entries(Kind.ENGINE_BACKENDS)
+        if getattr(entry.descriptor, capability)
     )
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from verl_core.config.engine import MicroBatchConfig
 from verl_core.data.batch import ENTROPY, LOG_PROBS, VALUES
+from verl_core.hookspecs import Kind
 from verl_core.testing import lora_checks, state_checks
 from verl_core.testing.context import (
     BASE_MICRO_BATCH,
@@ -107,9 +108,22 @@ def check_packing(ctx: RankContext) -> Iterator[Comparison]:
     """Padding-free micro-batches (``micro_batch.packing``) change nothing: the same outputs and the
     same first step as the reference, which runs every sample alone (attention crossing from one
     packed sequence into the next shows as a difference). One micro-batch holds the rank's whole
-    share, so that the samples of a prompt group meet in it (an engine may pack their prompt once)."""
-    split = attrs.evolve(BASE_MICRO_BATCH, micro_batch_size=BATCH_SIZE, packing=True)
+    share; every sample packs its own prompt (sharing them is the ``shared_prompts`` check's)."""
+    split = attrs.evolve(BASE_MICRO_BATCH, micro_batch_size=BATCH_SIZE, packing=True, share_prompts=False)
     yield from outputs_and_first_step(ctx, "packing", split, "packed: ")
+
+
+def check_shared_prompts(ctx: RankContext) -> Iterator[Comparison]:
+    """For backends that declare ``EngineBackend(shared_prompts=True)``: packed micro-batches whose
+    samples of one prompt share a single copy of it (``micro_batch.share_prompts``) change nothing.
+    Batch A's samples come in groups of two or three with one prompt, as GRPO's do, and one
+    micro-batch holds the rank's whole share: a response that reads a sibling's tokens, or whose
+    positions restart after the shared prompt, differs from the reference, which runs every sample
+    alone."""
+    if not ctx.registry.entry(Kind.ENGINE_BACKENDS, ctx.backend).descriptor.shared_prompts:
+        raise CheckSkipped(f"backend '{ctx.backend}' does not declare EngineBackend(shared_prompts=True)")
+    split = attrs.evolve(BASE_MICRO_BATCH, micro_batch_size=BATCH_SIZE, packing=True, share_prompts=True)
+    yield from outputs_and_first_step(ctx, "shared_prompts", split, "shared prompts: ")
 
 
 def check_logits_chunks(ctx: RankContext) -> Iterator[Comparison]:
@@ -200,6 +214,12 @@ CHECKS: dict[str, Check] = {
             "packing",
             check_packing,
             "padding-free micro-batches (micro_batch.packing) give the reference's outputs and first step",
+        ),
+        Check(
+            "shared_prompts",
+            check_shared_prompts,
+            "packed micro-batches whose samples of one prompt share one copy of it (backends declaring "
+            "shared_prompts=True) give the reference's outputs and first step",
         ),
         Check(
             "logits_chunks",

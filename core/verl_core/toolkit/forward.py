@@ -45,6 +45,7 @@ def forward_micro_batch(
     role: str,
     packing: bool = False,
     logits_chunk_size: int | None = None,
+    share_prompts: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Run ``model`` (possibly wrapped, e.g. by DDP) on one micro-batch of the batch contract.
 
@@ -53,11 +54,13 @@ def forward_micro_batch(
     ``t`` is predicted from the logits at column ``P + t - 1`` (``P = L - R``, the prompt length).
     With ``packing`` the sequences run padding-free (``pack_sequences``): the same outputs on every
     real response token, 0 on padding. With ``logits_chunk_size`` an ``lm`` micro-batch predicting
-    more tokens than that computes its logits that many tokens at a time (``_lm_outputs``).
+    more tokens than that computes its logits that many tokens at a time (``_lm_outputs``). Packed,
+    rows with identical prompts compute them once where ``share_prompts`` and the model's attention
+    allow (``verl_core.toolkit.varlen.shares_prompts``).
     """
     response_length = micro_batch[RESPONSES].shape[-1]
     if packing:
-        return _forward_packed(model, micro_batch, role, response_length, logits_chunk_size)
+        return _forward_packed(model, micro_batch, role, response_length, logits_chunk_size, share_prompts)
     inputs = {
         "input_ids": micro_batch[INPUT_IDS],
         "attention_mask": micro_batch[ATTENTION_MASK],
@@ -89,6 +92,7 @@ def _forward_packed(
     role: str,
     response_length: int,
     logits_chunk_size: int | None,
+    share_prompts: bool = True,
 ) -> dict[str, torch.Tensor]:
     """``forward_micro_batch`` padding-free: the outputs of the real response tokens are computed
     (the LM head runs on those positions only) and scattered into ``[b, R]``, 0 on padding. Rows
@@ -96,7 +100,7 @@ def _forward_packed(
     attention_mask = micro_batch[ATTENTION_MASK]
     groups = (
         prompt_groups(micro_batch[INPUT_IDS], attention_mask, response_length)
-        if shares_prompts(model)
+        if share_prompts and shares_prompts(model)
         else None
     )
     packed = pack_sequences(attention_mask, response_length, groups)

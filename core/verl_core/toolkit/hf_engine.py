@@ -158,6 +158,7 @@ class HFEngine(TorchOptimizerSteps, BaseEngine):
                 self.role,
                 packing=self.config.micro_batch.packing,
                 logits_chunk_size=self.config.micro_batch.logits_chunk_size,
+                share_prompts=self.config.micro_batch.share_prompts is not False,
             ),
             loss_fn=loss_fn,
             forward_only=forward_only,

@@ -234,18 +234,16 @@ def _model_config(path: str) -> dict[str, Any] | None:
 
 
 def _adapters(config: RunConfig, registry: Registry) -> Iterator[tuple[str, str]]:
-    """LoRA on backends that train it (``EngineBackend(lora=True)``), and the adapters the engines
-    start from (``model.lora_adapter_path``)."""
-    from verl_core.engine.factory import lora_refusal
+    """What the engines ask of their backends (LoRA, shared prompts: ``EngineBackend`` declares them),
+    and the adapters the engines start from (``model.lora_adapter_path``)."""
+    from verl_core.engine.factory import capability_refusals
 
     for where, engine in _engine_sections(config).items():
+        try:
+            yield from capability_refusals(engine, registry, where)
+        except VerlCoreError:  # the backend cannot be used: the config load reports why
+            pass
         if engine.model.lora:
-            try:
-                refusal = lora_refusal(engine, registry, where)
-            except VerlCoreError:  # the backend cannot be used: the config load reports why
-                refusal = None
-            if refusal is not None:
-                yield refusal
             yield from _adapter_fits_the_model(engine.model, f"{where}.model")
 
 

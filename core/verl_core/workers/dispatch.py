@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from tensordict import TensorDict
 
-from verl_core.data.batch import ATTENTION_MASK
+from verl_core.data.batch import ATTENTION_MASK, UID
 from verl_core.deprecation import moved_names
 from verl_core.engine.topology import Topology
 from verl_core.errors import ConfigError
@@ -48,18 +48,39 @@ def check_divisible(counts: Mapping[str, tuple[int, str]], dp_size: int) -> None
         raise ConfigError(errors)
 
 
-def balanced_shards(lengths: Sequence[int], dp_size: int) -> list[torch.Tensor]:
+def balanced_shards(
+    lengths: Sequence[int], dp_size: int, groups: Sequence[int] | None = None
+) -> list[torch.Tensor]:
     """Row indices per DP rank: equal counts (``len(lengths)`` must divide: callers refuse or fill
     what does not), with the total length of each shard as even as a snake order over the rows sorted
-    by length makes it. Each shard keeps its rows in batch order."""
+    by length makes it. Each shard keeps its rows in batch order.
+
+    With ``groups`` (a group id per row: the samples of one prompt, ``UID``), whole groups go to a
+    rank, so that an engine sharing prompts (``micro_batch.share_prompts``) computes each prompt once
+    rather than once per rank holding part of its group; the snake runs over the groups by their total
+    length. That needs groups of one size whose count divides by ``dp_size`` (GRPO's); otherwise rows
+    are balanced one by one."""
     if len(lengths) % dp_size:
         raise ValueError(f"{len(lengths)} rows do not make {dp_size} equal shards")
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    units = [[row] for row in range(len(lengths))]
+    if groups is not None:
+        members: dict[int, list[int]] = {}
+        for row, group in enumerate(groups):
+            members.setdefault(group, []).append(row)
+        if len({len(rows) for rows in members.values()}) == 1 and len(members) % dp_size == 0:
+            units = list(members.values())
+    weights = [sum(lengths[row] for row in unit) for unit in units]
+    order = sorted(range(len(units)), key=lambda i: -weights[i])
     shards: list[list[int]] = [[] for _ in range(dp_size)]
-    for position, row in enumerate(order):
+    for position, unit in enumerate(order):
         lap, offset = divmod(position, dp_size)
-        shards[offset if lap % 2 == 0 else dp_size - 1 - offset].append(row)
+        shards[offset if lap % 2 == 0 else dp_size - 1 - offset].extend(units[unit])
     return [torch.tensor(sorted(shard), dtype=torch.long) for shard in shards]
+
+
+def row_groups(batch: TensorDict) -> list[int] | None:
+    """The batch's prompt groups (``UID``), where it has them."""
+    return batch[UID].tolist() if UID in batch.keys() else None
 
 
 def split_batch(batch: TensorDict, dp_size: int, size_key: str, balance: bool = True) -> list[torch.Tensor]:
@@ -70,7 +91,7 @@ def split_batch(batch: TensorDict, dp_size: int, size_key: str, balance: bool = 
     check_divisible({size_key: (rows, f"{rows} rows")}, dp_size)
     if not balance:
         return list(torch.arange(rows).tensor_split(dp_size))
-    return balanced_shards(batch[ATTENTION_MASK].sum(dim=-1).tolist(), dp_size)
+    return balanced_shards(batch[ATTENTION_MASK].sum(dim=-1).tolist(), dp_size, row_groups(batch))
 
 
 def filled_rows(rows: int, dp_size: int) -> torch.Tensor:

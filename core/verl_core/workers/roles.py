@@ -29,6 +29,7 @@ from verl_core.workers.dispatch import (
     filled_rows,
     gather_outputs,
     restore_order,
+    row_groups,
     shards_for_ranks,
     split_batch,
 )
@@ -55,7 +56,9 @@ class Role:
         their results are dropped."""
         rows = batch.batch_size[0]
         filled = select_rows(batch, filled_rows(rows, self.dp_size))
-        shards = balanced_shards(filled[ATTENTION_MASK].sum(dim=-1).tolist(), self.dp_size)
+        shards = balanced_shards(
+            filled[ATTENTION_MASK].sum(dim=-1).tolist(), self.dp_size, row_groups(filled)
+        )
         args = [(select_rows(filled, shard), *extra) for shard in shards]
         results = self.group.call_each(method, shards_for_ranks(args, self.topologies))
         return restore_order(gather_outputs(results, self.topologies), shards)[:rows]

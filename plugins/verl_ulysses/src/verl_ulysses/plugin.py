@@ -21,6 +21,9 @@ def verl_engine_backends() -> list[EngineBackend]:
             api_version=1,  # the engine API this engine implements: a core speaking another refuses it
             # LoRA from core's toolkit (HFEngine's adapter); the kit's lora check passes at sp 2.
             lora=True,
+            # Prompts shared at sp 1 (HFEngine's packing); at sp > 1 each sample's sequence is split over
+            # the sp ranks, and every sample packs its own prompt.
+            shared_prompts=True,
             description="VeOmni-style: FSDP2 over a (dp_shard, sp) mesh with Ulysses sequence parallelism, "
             "meta-device init from rank 0, DCP checkpoints",
         )

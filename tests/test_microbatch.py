@@ -12,8 +12,8 @@ from tensordict import TensorDict
 
 from verl_core.config.engine import MicroBatchConfig
 from verl_core.data import microbatch
-from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS, select_rows
-from verl_core.data.microbatch import partition_by_token_budget, split_micro_batches
+from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS, responses_batch, select_rows
+from verl_core.data.microbatch import at_least, budget_units, partition_by_token_budget, split_micro_batches
 
 lengths_strategy = st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=24)
 
@@ -129,3 +129,71 @@ def test_fallback_when_longest_first_misses_the_budget(lengths: list[int], budge
     assert len(groups) == num_groups and all(groups)
     assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
     assert all(len(g) == 1 or sum(lengths[i] for i in g) <= budget for g in groups)
+
+
+@st.composite
+def grouped_batch(draw):
+    """GRPO-style rows (groups of samples of one prompt, rows of groups interleaved or not)."""
+    prompts, responses = [], []
+    for group in range(draw(st.integers(1, 5))):
+        prompt = [group + 1] * draw(st.integers(1, 12))  # a distinct prompt per group
+        for _ in range(draw(st.integers(1, 5))):
+            prompts.append(prompt)
+            responses.append([7] * draw(st.integers(1, 10)))
+    order = draw(st.permutations(range(len(prompts))))
+    rows = [(prompts[i], responses[i]) for i in order]
+    return responses_batch(
+        [p for p, _ in rows], [r for _, r in rows], [[0.0] * len(r) for _, r in rows], 0
+    ), rows
+
+
+@settings(max_examples=80, deadline=None)
+@given(grouped=grouped_batch(), budget=st.integers(4, 60), share=st.booleans())
+def test_a_token_budget_keeps_the_samples_of_a_prompt_together_and_counts_it_once(
+    grouped, budget, share
+) -> None:
+    """Sharing prompts, a micro-batch computes each of its prompts once, then its responses: the budget
+    counts that, and a group that fits it stays in one micro-batch. Without sharing, every row's tokens."""
+    batch, rows = grouped
+    config = MicroBatchConfig(use_dynamic_bsz=True, max_token_len=budget, share_prompts=share)
+    split = split_micro_batches(batch, config)
+    assert sorted(torch.cat(split.indices).tolist()) == list(range(len(rows)))
+
+    def computed(index: list[int]) -> int:  # the tokens a packed micro-batch of these rows runs
+        if not share:
+            return sum(len(rows[i][0]) + len(rows[i][1]) for i in index)
+        prompts = {tuple(rows[i][0]) for i in index}
+        return sum(len(p) for p in prompts) + sum(len(rows[i][1]) for i in index)
+
+    for index in split.indices:  # over the budget only a row that is alone
+        assert computed(index.tolist()) <= budget or len(index) == 1, (
+            index,
+            computed(index.tolist()),
+            budget,
+        )
+    if share:
+        home = {}
+        for number, index in enumerate(split.indices):
+            for i in index.tolist():
+                home.setdefault(tuple(rows[i][0]), set()).add(number)
+        for prompt, numbers in home.items():
+            members = [i for i, (p, _) in enumerate(rows) if tuple(p) == prompt]
+            if len(prompt) + sum(len(rows[i][1]) for i in members) <= budget:
+                assert len(numbers) == 1, (prompt, numbers)
+
+
+@settings(max_examples=60, deadline=None)
+@given(grouped=grouped_batch(), data=st.data())
+def test_groups_split_into_as_many_units_as_another_rank_needs_keeping_every_row(grouped, data) -> None:
+    batch, rows = grouped
+    units = budget_units(
+        batch, MicroBatchConfig(use_dynamic_bsz=True, max_token_len=1000, share_prompts=True)
+    )
+    assert len(units) == len({tuple(p) for p, _ in rows})  # a budget this large: a unit per prompt
+    count = data.draw(st.integers(len(units), len(rows)))
+    split = at_least(units, count)
+    assert len(split) >= count
+    assert sorted(row for unit in split for row in unit.rows) == list(range(len(rows)))
+    for unit in split:  # each piece: one prompt, once, and its rows' responses
+        assert len({tuple(rows[i][0]) for i in unit.rows}) == 1
+        assert unit.tokens == len(rows[unit.rows[0]][0]) + sum(len(rows[i][1]) for i in unit.rows)

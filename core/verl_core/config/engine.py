@@ -136,7 +136,8 @@ class MicroBatchConfig:
     micro_batch_size: int = attrs.field(default=1, validator=positive)
     #: Split by a token budget instead of a sequence count.
     use_dynamic_bsz: bool = False
-    #: Token budget per micro-batch on each rank (counts ``attention_mask`` tokens).
+    #: Token budget per micro-batch on each rank: the tokens it computes (each row's ``attention_mask``
+    #: tokens; with shared prompts, a group's prompt once and the samples of a prompt kept together).
     max_token_len: int = attrs.field(default=8192, validator=positive)
     #: Run each micro-batch padding-free: its sequences concatenated without pad tokens, attention
     #: kept within each sequence (engines built on ``HFEngine``; the conformance kit's ``packing``

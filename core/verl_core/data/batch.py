@@ -173,6 +173,17 @@ def responses_batch(
     return batch
 
 
+def prompt_groups(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int
+) -> torch.Tensor:
+    """``[b]`` ids, equal for rows whose prompts are identical (tokens and padding): the samples of one
+    prompt, which a packed micro-batch may compute once (``micro_batch.share_prompts``)."""
+    width = input_ids.shape[1] - response_length
+    mask = attention_mask[:, :width]
+    prompts = torch.cat([input_ids[:, :width] * mask, mask], dim=1)
+    return torch.unique(prompts, dim=0, return_inverse=True)[1]
+
+
 def left_pad(
     sequences: list[list[int]] | list[torch.Tensor], pad_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

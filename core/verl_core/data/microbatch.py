@@ -2,7 +2,9 @@
 
 Two modes (``MicroBatchConfig``): a fixed number of sequences per micro-batch, or a token budget
 (``use_dynamic_bsz``) that counts ``attention_mask`` tokens and packs sequences into balanced
-micro-batches. Under data parallelism every rank must run the same number of backward passes (DDP and
+micro-batches. Where a packed micro-batch computes a shared prompt once (``packing`` and
+``share_prompts``), the budget keeps the samples of one prompt together and counts the tokens
+computed: the prompt once, then every sample's response. Under data parallelism every rank must run the same number of backward passes (DDP and
 FSDP synchronise gradients per backward), so the count is the maximum over the DP group.
 
 Token-budget micro-batches regroup sequences; ``MicroBatchSplit.restore`` undoes that on outputs.
@@ -21,7 +23,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_core.config.engine import MicroBatchConfig
-from verl_core.data.batch import ATTENTION_MASK, select_rows
+from verl_core.data.batch import ATTENTION_MASK, INPUT_IDS, RESPONSES, prompt_groups, select_rows
 from verl_core.distributed import all_reduce_max
 
 T = TypeVar("T", torch.Tensor, TensorDict)
@@ -57,8 +59,8 @@ def split_micro_batches(
     """
     num_seqs = batch.batch_size[0]
     if config.use_dynamic_bsz:
-        lengths = batch[ATTENTION_MASK].sum(dim=-1).tolist()
-        local_count = len(partition_by_token_budget(lengths, config.max_token_len))
+        units = budget_units(batch, config)
+        local_count = len(partition_by_token_budget([unit.tokens for unit in units], config.max_token_len))
     else:
         local_count = math.ceil(num_seqs / config.micro_batch_size)
 
@@ -77,12 +79,78 @@ def split_micro_batches(
         )
 
     if config.use_dynamic_bsz:
-        groups = partition_by_token_budget(lengths, config.max_token_len, num_groups=count)
-        indices = [torch.tensor(sorted(group), dtype=torch.long) for group in groups]
+        units = at_least(units, count)
+        bins = partition_by_token_budget(
+            [unit.tokens for unit in units], config.max_token_len, num_groups=count
+        )
+        indices = [
+            torch.tensor(sorted(row for i in bin_ for row in units[i].rows), dtype=torch.long)
+            for bin_ in bins
+        ]
     else:
         indices = list(torch.arange(num_seqs).tensor_split(count))
     restore_index = torch.argsort(torch.cat(indices))
     return MicroBatchSplit([select_rows(batch, index) for index in indices], indices, restore_index)
+
+
+@attrs.frozen
+class BudgetUnit:
+    """Rows a token budget places together, and the tokens they compute: a row alone, or the samples of
+    one prompt whose packed micro-batch computes the prompt once (``prompt`` tokens, then each row's
+    ``responses`` tokens)."""
+
+    rows: tuple[int, ...]
+    prompt: int
+    responses: tuple[int, ...]
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt + sum(self.responses)
+
+    def halves(self) -> list[BudgetUnit]:
+        middle = len(self.rows) // 2
+        return [
+            BudgetUnit(self.rows[part], self.prompt, self.responses[part])
+            for part in (slice(None, middle), slice(middle, None))
+        ]
+
+
+def budget_units(batch: TensorDict, config: MicroBatchConfig) -> list[BudgetUnit]:
+    """What the token budget places: each row alone (its ``attention_mask`` tokens), or, where the
+    engine shares prompts, the rows of each prompt together, split into pieces of at most the budget."""
+    lengths = batch[ATTENTION_MASK].sum(dim=-1).tolist()
+    shares = config.packing and config.share_prompts is not False and INPUT_IDS in batch.keys()
+    if not shares or RESPONSES not in batch.keys():
+        return [BudgetUnit((row,), length, ()) for row, length in enumerate(lengths)]
+    response_width = batch[RESPONSES].shape[-1]
+    responses = batch[ATTENTION_MASK][:, -response_width:].sum(dim=-1).tolist()
+    members: dict[int, list[int]] = {}
+    for row, group in enumerate(
+        prompt_groups(batch[INPUT_IDS], batch[ATTENTION_MASK], response_width).tolist()
+    ):
+        members.setdefault(group, []).append(row)
+    units = []
+    for rows in members.values():
+        prompt = lengths[rows[0]] - responses[rows[0]]
+        piece: list[int] = []
+        for row in rows:  # a piece grows until the next response would take it past the budget
+            if piece and prompt + sum(responses[r] for r in piece) + responses[row] > config.max_token_len:
+                units.append(BudgetUnit(tuple(piece), prompt, tuple(responses[r] for r in piece)))
+                piece = []
+            piece.append(row)
+        units.append(BudgetUnit(tuple(piece), prompt, tuple(responses[r] for r in piece)))
+    return units
+
+
+def at_least(units: list[BudgetUnit], count: int) -> list[BudgetUnit]:
+    """``units`` split until there are ``count`` (more micro-batches than whole groups, as another DP
+    rank needs): the largest group in halves, in turn. ``count`` is at most the rows."""
+    units = list(units)
+    while len(units) < count:
+        largest = max((unit for unit in units if len(unit.rows) > 1), key=lambda unit: unit.tokens)
+        units.remove(largest)
+        units += largest.halves()
+    return units
 
 
 def partition_by_token_budget(

@@ -17,6 +17,8 @@ from __future__ import annotations
 import attrs
 import torch
 
+from verl_core.data.batch import prompt_groups  # noqa: F401 (docs/engine.md names it here)
+
 
 @attrs.frozen
 class PackedSequences:
@@ -42,16 +44,6 @@ class PackedSequences:
     cu_seq_lens: torch.Tensor | None
     predicting: torch.Tensor
     response_present: torch.Tensor
-
-
-def prompt_groups(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, response_length: int
-) -> torch.Tensor:
-    """``[b]`` ids, equal for rows whose prompts are identical (tokens and padding)."""
-    width = input_ids.shape[1] - response_length
-    mask = attention_mask[:, :width]
-    prompts = torch.cat([input_ids[:, :width] * mask, mask], dim=1)
-    return torch.unique(prompts, dim=0, return_inverse=True)[1]
 
 
 def pack_sequences(

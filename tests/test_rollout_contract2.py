@@ -446,7 +446,23 @@ def test_hf_sleep_frees_its_cache_refuses_work_naming_wake_up_and_wakes_with_its
 # -- the actor: bucketed sync, sleep between generations -------------------------------------------------
 
 
-def test_the_actor_syncs_in_buckets_and_sleeps_its_rollout_between_generations(demo, tmp_path) -> None:
+class ForwardingHFRollout(HFRollout):
+    """Takes bucket streams with a method of its own, as a serving engine that sends them on to its
+    processes would (here it unpacks them itself)."""
+
+    streams = 0
+
+    def update_weights_from_buckets(self, buckets):
+        type(self).streams += 1
+        self.update_weights(unpack_buckets(buckets))
+
+
+@pytest.mark.parametrize("forwards", [False, True], ids=["hf", "forwarding"])
+def test_the_actor_syncs_buckets_only_to_a_rollout_that_sends_them_on_and_sleeps_it_between_generations(
+    demo, tmp_path, forwards
+) -> None:
+    """The built-in rollout unpacks buckets in the actor's process: it gets the tensors themselves (no
+    copies, no checksums); a rollout with a bucket path of its own gets checked buckets."""
     from fixtures.demo import run_overrides
 
     from verl_core.workers.ranks import ActorWorker
@@ -454,17 +470,17 @@ def test_the_actor_syncs_in_buckets_and_sleeps_its_rollout_between_generations(d
     config = load_config([], run_overrides(demo, tmp_path, **{"rollout.update_weights_bucket_megabytes": 1}))
     worker = ActorWorker(config)
     worker.initialize()
+    if forwards:
+        worker.rollout.__class__ = ForwardingHFRollout
     sampling = SamplingParams(max_new_tokens=4, eos_token_ids=(), pad_token_id=0)
     worker.generate([[5, 6, 7]], sampling, 0)
     assert worker.rollout._asleep and not worker.rollout._decoder.keys
-    with torch.no_grad():  # the policy moves: the sync must carry it, through a bucket
+    with torch.no_grad():  # the policy moves: the sync must carry it
         for _, tensor in worker.policy.get_per_tensor_param():
             tensor.add_(0.5)
-    streams = []
-    stream_of = worker.rollout.update_weights_from_buckets
-    worker.rollout.update_weights_from_buckets = lambda buckets: stream_of(streams.append(1) or buckets)
+    ForwardingHFRollout.streams = 0
     worker.sync_weights()
-    assert streams == [1] and not worker.rollout._asleep
+    assert ForwardingHFRollout.streams == (1 if forwards else 0) and not worker.rollout._asleep
     policy = dict(worker.policy.get_per_tensor_param())
     rollout = worker.rollout.model.state_dict()
     assert policy.keys() == rollout.keys()

@@ -135,9 +135,11 @@ def test_the_comparison_catches_each_fused_path_with_its_weights_misordered(path
 
 
 def test_auto_chooses_the_layout_torch_reports_this_cpu_computes() -> None:
-    """On this CPU, whatever it is: MKL for float32 where torch has it, oneDNN for bfloat16 and float16
-    where torch's oneDNN supports them here, else the weights as they are; on a GPU always plain."""
-    mkl = torch.backends.mkl.is_available()
+    """On this CPU, whatever it is: MKL for float32 where torch has it on an Intel CPU, oneDNN for
+    bfloat16 and float16 where torch's oneDNN supports them here, else the weights as they are; on a GPU
+    always plain."""
+    intel = "intel" in torch.cpu.get_capabilities()["cpu_name"].lower()
+    mkl = torch.backends.mkl.is_available() and intel
     assert default_packing(torch.float32) == ("mkl" if mkl else "plain")
     for dtype, supported in (
         (torch.bfloat16, torch.ops.mkldnn._is_mkldnn_bf16_supported()),
@@ -145,6 +147,20 @@ def test_auto_chooses_the_layout_torch_reports_this_cpu_computes() -> None:
     ):
         assert default_packing(dtype) == ("onednn" if supported else "plain"), dtype
     assert {default_packing(dtype, "cuda") for dtype in decoder_module.DTYPES} == {"plain"}
+
+
+@pytest.mark.parametrize(
+    ("cpu_name", "packing"), [("Intel(R) Xeon(R) Platinum 8488C", "mkl"), ("AMD EPYC 9R14", "plain")]
+)
+def test_float32_weights_take_mkls_layout_on_intel_cpus_only(monkeypatch, cpu_name, packing) -> None:
+    """MKL's packed kernels are Intel's: elsewhere the packed layout decoded slower than plain products."""
+    if not torch.backends.mkl.is_available():
+        pytest.skip(f"this torch ({torch.__version__}) was built without MKL: float32 is plain everywhere")
+    capabilities = torch.cpu.get_capabilities() | {"cpu_name": cpu_name}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
+    assert default_packing(torch.float32) == packing
+    assert LeanDecoder.for_model(qwen2()).path.packing == packing
+    assert packing_problem("mkl", torch.float32) is None  # forcing it stays possible on either
 
 
 @pytest.fixture

@@ -160,6 +160,13 @@ class BaseRollout(abc.ABC):
         self.update_weights(unpack_buckets(buckets))
 
 
+def unpacks_buckets_in_process(rollout: BaseRollout) -> bool:
+    """Whether ``rollout`` takes bucket streams with ``BaseRollout``'s default, in the caller's process:
+    then a sender in that process gives it the tensors themselves (``update_weights``), since the
+    buckets would cross no transport, only copy and checksum every weight twice more."""
+    return type(rollout).update_weights_from_buckets is BaseRollout.update_weights_from_buckets
+
+
 # First defined here; their homes are the batch vocabulary and the errors module.
 __getattr__ = moved_names(
     __name__,

@@ -21,7 +21,7 @@ dtype, their layout (``Packing``: as they are, or on a CPU a copy laid out for M
 oneDNN's bfloat16/float16 kernels, remade whenever a weight changes, so a weight update is seen by the
 next step), and q/k/v and gate/up computed as one product each (fused) or not. ``packing="auto"``
 chooses the layout from the device and what torch reports this CPU's kernels support
-(``default_packing``), for weights large enough to pay for a copy; fused by default only where the
+(``default_packing``; MKL's only on an Intel CPU), for weights large enough to pay for a copy; fused by default only where the
 copy is oneDNN's, which is then the fused weight at no memory cost. A forced path the machine cannot
 run is refused, saying why (``packing_problem``). What each choice gained, on which CPU:
 docs/benchmarks.md ("The decoder's paths").
@@ -518,13 +518,28 @@ def _onednn_linear(*args) -> torch.Tensor:
 
 def default_packing(dtype: torch.dtype, device: torch.device | str = "cpu") -> Packing:
     """The layout ``auto`` chooses for ``dtype`` weights on ``device``: the packed one that serves the
-    dtype where this machine can compute it (``packing_problem``), else ``plain`` (a GPU's kernels read
-    the weights as they are; a CPU whose oneDNN has no kernels for the dtype, such as bfloat16 on one
-    with AVX2 only). Decided from what torch reports, never from the CPU's name."""
+    dtype where this machine can compute it (``packing_problem``) and gains there, else ``plain`` (a
+    GPU's kernels read the weights as they are; a CPU whose oneDNN has no kernels for the dtype, such as
+    bfloat16 on one with AVX2 only; MKL's float32 layout off an Intel CPU, ``mkl_packs_fast``). Decided
+    from what torch reports."""
     for packing, dtypes in PACKED_DTYPES.items():
+        if packing == "mkl" and not mkl_packs_fast():
+            continue
         if dtype in dtypes and packing_problem(packing, dtype, device) is None:
             return packing
     return "plain"
+
+
+def mkl_packs_fast() -> bool:
+    """Whether torch reports an Intel CPU, whose MKL packed float32 kernels beat plain products at a
+    decoding step's rows. MKL takes generic code paths on other vendors' CPUs: on an AMD EPYC with
+    AVX-512 the packed layout decoded SmolLM2-135M 20% slower than plain products (docs/benchmarks.md,
+    "The decoder's paths")."""
+    try:
+        name = str(torch.cpu.get_capabilities().get("cpu_name", ""))
+    except (AttributeError, RuntimeError):  # a torch or platform that does not say
+        return False
+    return "intel" in name.lower()
 
 
 def packing_problem(packing: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> str | None:

@@ -45,7 +45,7 @@ from verl_core.engine.base import BaseEngine, LossFn
 from verl_core.engine.factory import build_engine
 from verl_core.engine.topology import Topology
 from verl_core.hookspecs import Kind
-from verl_core.rollout.base import SamplingParams
+from verl_core.rollout.base import SamplingParams, unpacks_buckets_in_process
 from verl_core.rollout.buckets import weight_buckets
 from verl_core.workers.replicas import PublishedWeights, load_transport
 
@@ -171,15 +171,17 @@ class ActorWorker:
 
     def sync_weights(self) -> None:
         """The trained weights into the rollout (gathering them is a collective on sharded engines): in
-        checked buckets of ``rollout.update_weights_bucket_megabytes``, or one tensor at a time with 0.
-        A sleeping rollout is woken first."""
+        checked buckets of ``rollout.update_weights_bucket_megabytes`` to a rollout that sends them on
+        from its own ``update_weights_from_buckets``; one tensor at a time with 0, or to a rollout that
+        unpacks buckets here (``unpacks_buckets_in_process``: the built-in ``hf``). A sleeping rollout
+        is woken first."""
         if self.rollout_sleeps:
             self.rollout.wake_up()
         params = self.policy.get_per_tensor_param()
         megabytes = self.config.rollout.update_weights_bucket_megabytes
-        if megabytes:
+        if megabytes and not unpacks_buckets_in_process(self.rollout):
             self.rollout.update_weights_from_buckets(weight_buckets(params, megabytes << 20))
-        else:
+        else:  # buckets only for a rollout that sends them on (a serving engine's own processes)
             self.rollout.update_weights(params)
 
     def publish_weights(self) -> PublishedWeights | None:

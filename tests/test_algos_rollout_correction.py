@@ -14,7 +14,7 @@ import warnings
 import attrs
 import pytest
 import torch
-from hypothesis import Phase, assume, given, settings
+from hypothesis import Phase, assume, example, given, settings
 from hypothesis import strategies as st
 
 from verl_core import RolloutBackend, RolloutCapabilities, hookimpl
@@ -379,6 +379,11 @@ def rejection_property(reject, option: str, broken: bool = False):
     ratio = option.endswith("k1")
 
     @(UNSHRUNK if broken else SETTINGS)
+    # Batches where the criteria of the broken variants part, always tried (a random search of 60 once
+    # missed them): three tokens each off by 0.2 (geometric mean 1.22 within [1/1.5, 1.5], product 1.82
+    # beyond it), and a sequence with one token far off (its k3 beyond 0.1, the other's 0).
+    @example(batch=([[-1.0, -1.0, -1.0]], [[-1.2, -1.2, -1.2]], [[1, 1, 1]]), upper=1.5, lower=None)
+    @example(batch=([[-1.0, -1.0]], [[-1.0, -3.0]], [[1, 1]]), upper=0.1, lower=None)
     @given(
         batch=batches(low=-3.0),
         upper=st.sampled_from([1.0, 1.001, 1.1, 1.5, 3.0])

@@ -4,8 +4,9 @@ Two modes (``MicroBatchConfig``): a fixed number of sequences per micro-batch, o
 (``use_dynamic_bsz``) that counts ``attention_mask`` tokens and packs sequences into balanced
 micro-batches. Where a packed micro-batch computes a shared prompt once (``packing`` and
 ``share_prompts``), the budget keeps the samples of one prompt together and counts the tokens
-computed: the prompt once, then every sample's response. Under data parallelism every rank must run the same number of backward passes (DDP and
-FSDP synchronise gradients per backward), so the count is the maximum over the DP group.
+computed: the prompt once, then every sample's response. Under data parallelism every rank must run
+the same number of backward passes (DDP and FSDP synchronise gradients per backward), so the count
+is the maximum over the DP group.
 
 Token-budget micro-batches regroup sequences; ``MicroBatchSplit.restore`` undoes that on outputs.
 """
@@ -119,8 +120,8 @@ def budget_units(batch: TensorDict, config: MicroBatchConfig) -> list[BudgetUnit
     """What the token budget places: each row alone (its ``attention_mask`` tokens), or, where the
     engine shares prompts, the rows of each prompt together, split into pieces of at most the budget."""
     lengths = batch[ATTENTION_MASK].sum(dim=-1).tolist()
-    shares = config.packing and config.share_prompts is not False and INPUT_IDS in batch.keys()
-    if not shares or RESPONSES not in batch.keys():
+    keys = batch.keys()
+    if not (config.packing and config.share_prompts is not False and INPUT_IDS in keys and RESPONSES in keys):
         return [BudgetUnit((row,), length, ()) for row, length in enumerate(lengths)]
     response_width = batch[RESPONSES].shape[-1]
     responses = batch[ATTENTION_MASK][:, -response_width:].sum(dim=-1).tolist()

@@ -21,8 +21,8 @@ dtype, their layout (``Packing``: as they are, or on a CPU a copy laid out for M
 oneDNN's bfloat16/float16 kernels, remade whenever a weight changes, so a weight update is seen by the
 next step), and q/k/v and gate/up computed as one product each (fused) or not. ``packing="auto"``
 chooses the layout from the device and what torch reports this CPU's kernels support
-(``default_packing``; MKL's only on an Intel CPU), for weights large enough to pay for a copy; fused by default only where the
-copy is oneDNN's, which is then the fused weight at no memory cost. A forced path the machine cannot
+(``default_packing``; MKL's only on an Intel CPU), for weights large enough to pay for a copy; fused
+by default only where the copy is oneDNN's, which is then the fused weight at no memory cost. A forced path the machine cannot
 run is refused, saying why (``packing_problem``). What each choice gained, on which CPU:
 docs/benchmarks.md ("The decoder's paths").
 
@@ -533,7 +533,7 @@ def default_packing(dtype: torch.dtype, device: torch.device | str = "cpu") -> P
 def mkl_packs_fast() -> bool:
     """Whether torch reports an Intel CPU, whose MKL packed float32 kernels beat plain products at a
     decoding step's rows. MKL takes generic code paths on other vendors' CPUs: on an AMD EPYC with
-    AVX-512 the packed layout decoded SmolLM2-135M 20% slower than plain products (docs/benchmarks.md,
+    AVX-512 the packed layout decoded SmolLM2-135M 21% slower than plain products (docs/benchmarks.md,
     "The decoder's paths")."""
     try:
         name = str(torch.cpu.get_capabilities().get("cpu_name", ""))

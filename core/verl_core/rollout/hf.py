@@ -24,8 +24,9 @@ The request path keeps the KV caches of the last ``prefix_cache_sequences`` requ
 (``verl_core.rollout.prefix_cache``): a request whose prompt begins as one of theirs did (a
 conversation's next turn) prefills only the tokens after the longest such prefix, and samples what a
 full prefill would have (the same tokens for the same seed; log-probs equal to float rounding, so
-which requests came before may move one by ~1e-7). A weight update and ``sleep()`` clear them. ``prefilled_tokens`` and ``reused_tokens`` count the prompt
-tokens run through a prefill and those a cached prefix served.
+which requests came before may move one by ~1e-7). A weight update and ``sleep()`` clear them.
+``prefilled_tokens`` and ``reused_tokens`` count the prompt tokens run through a prefill and those a
+cached prefix served.
 """
 
 from __future__ import annotations

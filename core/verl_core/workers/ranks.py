@@ -187,8 +187,8 @@ class ActorWorker:
     def publish_weights(self) -> PublishedWeights | None:
         """The policy's full weights for separate rollout replicas (``verl_core.workers.replicas``): on DP
         rank 0's output rank, checked buckets of ``rollout.update_weights_bucket_megabytes`` (the default
-        size with 0; at most the transport's ``max_bucket_megabytes``) on the CPU, published by the run's weight transport (``rollout.weight_transport``),
-        whose handle it returns; ``None`` on the other ranks (every rank must call it: gathering sharded
+        size with 0; at most the transport's ``max_bucket_megabytes``) on the CPU, published by the run's
+        weight transport (``rollout.weight_transport``), whose handle it returns; ``None`` on the other ranks (every rank must call it: gathering sharded
         weights is a collective)."""
         params = ((name, tensor.detach().to("cpu")) for name, tensor in self.policy.get_per_tensor_param())
         if not (self.policy.dp_rank == 0 and self.policy.is_output_rank):

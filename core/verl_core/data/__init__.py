@@ -32,10 +32,18 @@ _EXPORTS = {
     "ROLLOUT_POLICY_VERSIONS": _BATCH,
     "TEMPERATURE": _BATCH,
     "COMPUTE_ENTROPY": _BATCH,
+    "TOP_K": _BATCH,
+    "CANDIDATE_IDS": _BATCH,
+    "TEACHER_LOG_PROBS": _BATCH,
+    "TEACHER_TOP_K_LOG_PROBS": _BATCH,
+    "TEACHER_TOP_K_IDS": _BATCH,
     "GLOBAL_COUNTS": _BATCH,
     # model outputs
     "LOG_PROBS": _BATCH,
     "ENTROPY": _BATCH,
+    "TOP_K_LOG_PROBS": _BATCH,
+    "TOP_K_IDS": _BATCH,
+    "CANDIDATE_LOG_PROBS": _BATCH,
     # global counts and batch helpers
     "GlobalCounts": _BATCH,
     "compute_global_counts": _BATCH,

@@ -24,9 +24,17 @@ constant                   key                  shape       meaning
 ``ENVIRONMENT_REWARDS``    ``environment_rewards`` [B]      multi-turn: the environment's reward, NaN where it gave none
 ``TEMPERATURE``            ``temperature``      non-tensor  forward option: temperature of log-probs and entropy
 ``COMPUTE_ENTROPY``        ``compute_entropy``  non-tensor  forward option: also return ``entropy``
+``TOP_K``                  ``top_k``            non-tensor  forward option: also return the ``k`` likeliest tokens
+``CANDIDATE_IDS``          ``candidate_ids``    [B, R, k]   forward input: also return the log-probs of these tokens
+``TEACHER_LOG_PROBS``      ``teacher_log_probs`` [B, R]     distillation: a teacher's log-probs of the response tokens
+``TEACHER_TOP_K_LOG_PROBS`` ``teacher_top_k_log_probs`` [B, R, k] distillation: the teacher's ``k`` likeliest tokens' log-probs
+``TEACHER_TOP_K_IDS``      ``teacher_top_k_ids`` [B, R, k]  distillation: those tokens, likeliest first
 ``GLOBAL_COUNTS``          ``global_counts``    non-tensor  the step's ``GlobalCounts``, for loss normalisation
 ``LOG_PROBS``              ``log_probs``        [B, R]      model output: log-probs of the response tokens
 ``ENTROPY``                ``entropy``          [B, R]      model output: entropy at the response tokens
+``TOP_K_LOG_PROBS``        ``top_k_log_probs``  [B, R, k]   model output (``TOP_K``): the likeliest tokens' log-probs, descending
+``TOP_K_IDS``              ``top_k_ids``        [B, R, k]   model output (``TOP_K``): those tokens' ids
+``CANDIDATE_LOG_PROBS``    ``candidate_log_probs`` [B, R, k] model output (``CANDIDATE_IDS``): their log-probs
 =========================  ===================  ==========  ============================================
 """
 
@@ -68,10 +76,27 @@ ROLLOUT_POLICY_VERSIONS = "rollout_policy_versions"
 #: Non-tensor keys of a batch that steer the forward pass (``engine.base.forward_options`` reads them).
 TEMPERATURE = "temperature"
 COMPUTE_ENTROPY = "compute_entropy"
+#: ``int``, 0 by default: with ``k > 0`` an ``lm`` forward pass also returns ``TOP_K_LOG_PROBS`` and
+#: ``TOP_K_IDS``, the ``k`` likeliest tokens at each response position (a teacher's, for GKD); only
+#: engines whose backend declares ``EngineBackend(top_k_log_probs=True)``.
+TOP_K = "top_k"
+#: ``[B, R, k]`` int64 token ids: an ``lm`` forward pass also returns ``CANDIDATE_LOG_PROBS``, the
+#: log-probs of these tokens at each response position (the student's, at its teacher's top-k).
+CANDIDATE_IDS = "candidate_ids"
+
+#: Distillation: a teacher's log-probs of the sampled response tokens ``[B, R]``, and (GKD) its ``k``
+#: likeliest tokens at each response position, likeliest first ``[B, R, k]``.
+TEACHER_LOG_PROBS = "teacher_log_probs"
+TEACHER_TOP_K_LOG_PROBS = "teacher_top_k_log_probs"
+TEACHER_TOP_K_IDS = "teacher_top_k_ids"
 
 #: The output keys of a forward pass of the batch contract (with ``VALUES`` for a value head).
 LOG_PROBS = "log_probs"
 ENTROPY = "entropy"
+#: Outputs of ``TOP_K`` (log-probs descending, their token ids) and of ``CANDIDATE_IDS``: ``[B, R, k]``.
+TOP_K_LOG_PROBS = "top_k_log_probs"
+TOP_K_IDS = "top_k_ids"
+CANDIDATE_LOG_PROBS = "candidate_log_probs"
 
 #: Non-tensor key under which engines attach the step's ``GlobalCounts`` to every micro-batch.
 GLOBAL_COUNTS = "global_counts"

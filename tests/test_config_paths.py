@@ -12,7 +12,16 @@ import attrs
 
 from verl_core.config import EngineConfig, ModelConfig, RunConfig
 from verl_core.config.paths import PATH_KEYS, absolute_path, absolute_paths
-from verl_core.config.run import ActorConfig, CriticConfig, DataConfig, RefConfig, RewardConfig, TrainerConfig
+from verl_core.config.run import (
+    ActorConfig,
+    CriticConfig,
+    DataConfig,
+    DistillationConfig,
+    RefConfig,
+    RewardConfig,
+    TeacherConfig,
+    TrainerConfig,
+)
 
 #: Field names that hold a path; a field named so that is not in PATH_KEYS fails the coverage test.
 LOOKS_LIKE_A_PATH = re.compile(r"(^|_)(path|paths|dir|dirs|file|files|folder)$")
@@ -32,6 +41,7 @@ def relative_config() -> RunConfig:
         trainer=TrainerConfig(
             checkpoint_dir="ckpt", run_dir="./runs/x", resume_mode="resume_path", resume_from_path="ckpt/s1"
         ),
+        distillation=DistillationConfig(teachers={"big": TeacherConfig(engine=engine("teachers/big"))}),
     )
 
 
@@ -42,6 +52,7 @@ def test_every_path_is_made_absolute_against_the_base_and_the_original_is_untouc
     assert resolved.actor.engine.model.path == str(work / "runs/demo/model")
     assert resolved.ref.engine.model.path == str(tmp_path / "ref")  # normalised
     assert resolved.critic.engine.model.path == str(work / "critic")
+    assert resolved.distillation.teachers["big"].engine.model.path == str(work / "teachers/big")
     assert resolved.reward.function == f"{work / 'rewards/mine.py'}:score"
     assert resolved.data.train_files == [str(work / "data/train.jsonl"), "/abs/train.jsonl"]
     assert resolved.data.val_files == [str(work / "data/val.jsonl")]
@@ -81,6 +92,8 @@ def _fields(cls: type, prefix: str = ""):
     for field in attrs.fields(cls):
         key = f"{prefix}{field.name}"
         nested = [t for t in getattr(field.type, "__args__", (field.type,)) if attrs.has(t)]
+        if getattr(field.type, "__origin__", None) is dict:  # its values, as PATH_KEYS writes them
+            key += "{}"
         if attrs.has(field.type) or nested:
             yield from _fields(nested[0] if nested else field.type, key + ".")
         else:
@@ -91,7 +104,17 @@ def test_every_path_field_of_the_config_classes_is_listed() -> None:
     import typing
 
     # Resolve the string annotations (``from __future__ import annotations``) of every class on the way.
-    for cls in (RunConfig, ActorConfig, RefConfig, CriticConfig, EngineConfig, TrainerConfig, DataConfig):
+    for cls in (
+        RunConfig,
+        ActorConfig,
+        RefConfig,
+        CriticConfig,
+        EngineConfig,
+        TrainerConfig,
+        DataConfig,
+        DistillationConfig,
+        TeacherConfig,
+    ):
         attrs.resolve_types(cls, globalns=vars(__import__(cls.__module__, fromlist=["_"])))
     keys = {key.removesuffix("[]") for key in PATH_KEYS}
     path_fields = {key for key in _fields(RunConfig) if LOOKS_LIKE_A_PATH.search(key.rsplit(".", 1)[-1])}

@@ -125,13 +125,22 @@ def _build_parser() -> argparse.ArgumentParser:
 
     plot = commands.add_parser(
         "plot",
-        help="redraw a run's curves (reward, validation score, losses) into RUN_DIR/curves.png",
+        help="redraw a run's curves (reward, validation score, losses) into RUN_DIR/curves.png, or "
+        "compare several runs' validation scores",
         description="Read RUN_DIR/metrics.jsonl and draw the training reward, validation score and "
         "loss curves into RUN_DIR/curves.png (a panel whose metrics the run did not log is left out); "
-        "print the PNG's path. Works during a run too. Exits 2 with the reason when there is nothing "
-        "to draw.",
+        "print the PNG's path. Works during a run too. With several RUN_DIRs, draw their validation "
+        "scores side by side against the step and against the training seconds into --out. Exits 2 "
+        "with the reason when there is nothing to draw.",
     )
-    plot.add_argument("run_dir", metavar="RUN_DIR", help="the run folder, which holds metrics.jsonl")
+    plot.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="the run folder, which holds metrics.jsonl"
+    )
+    plot.add_argument(
+        "--out",
+        default="comparison.png",
+        help="with several RUN_DIRs, the comparison's PNG (default: comparison.png)",
+    )
     plot.set_defaults(run=_run_plot)
     return parser
 
@@ -543,10 +552,13 @@ def _stopped_message(config: Any, trainer: Any, code: int) -> str:
 
 def _run_plot(args: argparse.Namespace) -> int:
     # matplotlib is imported only when drawing: the other commands do not pay for it.
-    from verl_core.trainer.plot import plot_run
+    from verl_core.trainer.plot import plot_comparison, plot_run
 
     try:
-        path = plot_run(args.run_dir)
+        if len(args.run_dirs) == 1:
+            path = plot_run(args.run_dirs[0])
+        else:
+            path = plot_comparison(args.run_dirs, args.out)
     except VerlCoreError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

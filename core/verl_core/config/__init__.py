@@ -11,6 +11,8 @@ from verl_core.lazy import lazy_exports
 
 _EXPORTS = {
     "AsyncTrainingConfig": "verl_core.config.run",
+    "DistillationConfig": "verl_core.config.run",
+    "TeacherConfig": "verl_core.config.run",
     "AlgorithmConfig": "verl_core.config.algorithm",
     "CriticLossConfig": "verl_core.config.algorithm",
     "FilterGroupsConfig": "verl_core.config.algorithm",

@@ -22,14 +22,15 @@ import attrs
 from verl_core.config.run import RunConfig
 from verl_core.descriptors import is_file_spec
 
-#: The engines' model folders, and the LoRA adapters they may start from.
+#: The engines' model folders, and the LoRA adapters they may start from (``{}``: each value of a mapping,
+#: the distillation teachers by name).
 _MODEL_KEYS = tuple(
     f"{role}.engine.model.{field}"
     for field in ("path", "lora_adapter_path")
-    for role in ("actor", "ref", "critic")
+    for role in ("actor", "ref", "critic", "distillation.teachers{}")
 )
-#: Every key of a ``RunConfig`` that holds a file or folder (``[]``: a list of them; ``reward.function``
-#: only when it names a file, ``path/to/file.py:function``).
+#: Every key of a ``RunConfig`` that holds a file or folder (``[]``: a list of them; ``{}``: in each value
+#: of a mapping; ``reward.function`` only when it names a file, ``path/to/file.py:function``).
 PATH_KEYS: tuple[str, ...] = (
     *_MODEL_KEYS,
     "data.train_files[]",
@@ -80,9 +81,15 @@ def absolute_paths(config: RunConfig, base: str | os.PathLike[str] | None = None
 
 def _replace(obj: Any, steps: list[str], change: Callable[[Any], Any]) -> Any:
     """``obj`` with the attribute at ``steps`` replaced by ``change(value)``; a ``None`` section on
-    the way (``ref.engine: null``) is left as it is."""
+    the way (``ref.engine: null``) is left as it is; a step ``name{}`` goes into each value of a mapping."""
     if obj is None:
         return None
     name, rest = steps[0], steps[1:]
+    if name.endswith("{}"):
+        name = name.removesuffix("{}")
+        mapping = getattr(obj, name)
+        return attrs.evolve(
+            obj, **{name: {key: _replace(value, rest, change) for key, value in mapping.items()}}
+        )
     value = getattr(obj, name)
     return attrs.evolve(obj, **{name: _replace(value, rest, change) if rest else change(value)})

@@ -20,7 +20,15 @@ import attrs
 from verl_core.config.algorithm import AlgorithmConfig, CriticLossConfig, PolicyLossConfig
 from verl_core.config.engine import DtypeName, EngineConfig, ModelConfig
 from verl_core.config.names import current_registry, functions_file_problem, registered
-from verl_core.config.validators import InvalidValue, each_rule, in_range, non_empty, non_negative, positive
+from verl_core.config.validators import (
+    InvalidValue,
+    each_rule,
+    in_range,
+    non_empty,
+    non_negative,
+    positive,
+    unit_interval,
+)
 from verl_core.descriptors import Choice, RolloutCapabilities
 from verl_core.errors import VerlCoreError
 from verl_core.hookspecs import Kind
@@ -393,6 +401,91 @@ class AsyncTrainingConfig:
 
 
 @attrs.define
+class TeacherConfig:
+    """One teacher of ``distillation.teachers``: a model the student learns from, served by any engine
+    backend in inference mode (forward passes only: it never steps, so its optimiser holds no state, and
+    it has no reference). Its tokenizer must be the student's (docs/distillation.md)."""
+
+    #: The teacher's backend and model, as ``actor.engine`` (``engine.model.path``: its folder).
+    engine: EngineConfig
+    #: GKD: the teacher's ``top_k`` likeliest tokens at each response position, which the student's
+    #: distribution is compared over (needs a backend that declares ``EngineBackend(top_k_log_probs=True)``).
+    #: 0: its log-probs of the sampled tokens only (``distillation.loss: reverse_kl``).
+    top_k: int = attrs.field(default=0, validator=non_negative)
+    #: ``colocated``: in the actor's processes (as the reference policy); ``separate``: ranks of its
+    #: own (``trainer.world_size`` of them under Ray, with ``trainer.rank_resources``).
+    placement: Literal["colocated", "separate"] = "colocated"
+
+
+@attrs.define
+class DistillationConfig:
+    """The ``distillation`` section: on-policy distillation from one or more teachers (docs/distillation.md).
+
+    The student samples as in RL; each teacher scores the sampled responses of the rows routed to it.
+    ``loss: reverse_kl`` adds ``coef * (log pi_teacher - log pi_student)`` of every sampled token to the
+    token-level rewards (any advantage estimator); ``loss: gkd`` adds ``coef`` times GKD's generalised
+    Jensen-Shannon divergence over the teacher's ``top_k`` tokens to the actor's loss. The task reward
+    (``reward.function``) counts ``task_reward_coef`` times; 0 distills alone.
+    """
+
+    #: The teachers by name; none (the default): no distillation.
+    teachers: dict[str, TeacherConfig] = attrs.field(factory=dict)
+    loss: Literal["reverse_kl", "gkd"] = "reverse_kl"
+    #: The weight of the distillation signal (the per-token reward, or the GKD loss).
+    coef: float = attrs.field(default=1.0, validator=non_negative)
+    #: The weight of the task reward beside it: 1 mixes both signals, 0 distills alone.
+    task_reward_coef: float = attrs.field(default=1.0, validator=non_negative)
+    #: GKD's interpolation: 0 the forward KL(teacher || student), 1 the reverse KL(student || teacher).
+    beta: float = attrs.field(default=0.5, validator=unit_interval)
+    #: A data column naming each row's teacher (a key of ``teachers``): required with several teachers;
+    #: ``null`` with one, which scores every row.
+    route_by: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teachers)
+
+    def check(self) -> Iterator[tuple[str, str]]:
+        if self.loss == "gkd":
+            for name, teacher in self.teachers.items():
+                if teacher.top_k == 0:
+                    yield (
+                        f"teachers.{name}.top_k",
+                        "0: distillation.loss gkd compares the student with the teacher over the teacher's "
+                        "top_k likeliest tokens: set top_k (e.g. 32), or use distillation.loss=reverse_kl",
+                    )
+            sizes = {teacher.top_k for teacher in self.teachers.values()}
+            if len(sizes) > 1:
+                yield (
+                    "teachers",
+                    f"top_k differs between teachers ({', '.join(f'{n}: {t.top_k}' for n, t in self.teachers.items())}): "
+                    "GKD compares every row over the same number of tokens; give every teacher one top_k",
+                )
+        if len(self.teachers) > 1 and self.route_by is None:
+            yield (
+                "route_by",
+                f"required with several teachers ({', '.join(self.teachers)}): name the data column whose "
+                "value names each row's teacher (e.g. distillation.route_by=data_source)",
+            )
+
+    def ignored(self) -> Iterator[tuple[str, str]]:
+        if not self.teachers:
+            if self.route_by is not None:
+                yield "route_by", "ignored: distillation.teachers is empty, so nothing distills"
+            return
+        if self.loss == "reverse_kl":
+            if self.beta != 0.5:
+                yield "beta", "ignored: it is GKD's (distillation.loss=gkd); reverse_kl has no beta"
+            for name, teacher in self.teachers.items():
+                if teacher.top_k:
+                    yield (
+                        f"teachers.{name}.top_k",
+                        "ignored: distillation.loss reverse_kl reads the teacher's log-probs of the sampled "
+                        "tokens only; set it to 0, or use distillation.loss=gkd",
+                    )
+
+
+@attrs.define
 class RunConfig:
     """A whole training run; ``verl_core.config.load_config`` builds it from YAML and overrides."""
 
@@ -405,6 +498,7 @@ class RunConfig:
     data: DataConfig = attrs.field(factory=DataConfig)
     trainer: TrainerConfig = attrs.field(factory=TrainerConfig)
     async_training: AsyncTrainingConfig = attrs.field(factory=AsyncTrainingConfig)
+    distillation: DistillationConfig = attrs.field(factory=DistillationConfig)
 
     @property
     def ref_engine(self) -> EngineConfig:

@@ -116,7 +116,7 @@ def capability_refusals(config: EngineConfig, registry: Registry, config_path: s
                 "comes with core's HFEngine toolkit, where peft adapts the Hugging Face model's linear layers, "
                 "and an engine with layers of its own (megatron-core's tensor-parallel ones) would need "
                 "adapters of its own; unset it to train the full model, or use a backend that trains LoRA: "
-                f"{_declaring(registry, 'lora')}",
+                f"{declaring_backends(registry, 'lora')}",
             )
         )
     if config.micro_batch.share_prompts and not entry.descriptor.shared_prompts:
@@ -126,13 +126,13 @@ def capability_refusals(config: EngineConfig, registry: Registry, config_path: s
                 f"{backend} does not compute shared prompts once (it does not declare "
                 "EngineBackend(shared_prompts=True); megatron runs its micro-batches padded, without "
                 "packing); unset it to let the backend choose, or use a backend that shares prompts: "
-                f"{_declaring(registry, 'shared_prompts')}",
+                f"{declaring_backends(registry, 'shared_prompts')}",
             )
         )
     return refusals
 
 
-def _declaring(registry: Registry, capability: str) -> list[str]:
+def declaring_backends(registry: Registry, capability: str) -> list[str]:
     """The engine backends whose descriptor declares ``capability``."""
     return sorted(
         entry.descriptor.name

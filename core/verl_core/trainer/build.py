@@ -11,9 +11,9 @@ from verl_core.config.paths import absolute_path, absolute_paths
 from verl_core.config.run import RunConfig
 from verl_core.errors import ConfigError
 from verl_core.workers.group import InProcessWorkerGroup, WorkerGroup
-from verl_core.workers.ranks import ActorWorker, CriticWorker
+from verl_core.workers.ranks import ActorWorker, CriticWorker, TeacherWorker
 from verl_core.workers.replicas import REQUEST_CONCURRENCY, RolloutReplicas, RolloutReplicaWorker
-from verl_core.workers.roles import Actor, Critic
+from verl_core.workers.roles import Actor, Critic, Teacher
 
 #: Files that hold a tokenizer's vocabulary: a model folder needs one of them.
 VOCABULARY_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model")
@@ -152,14 +152,16 @@ def worker_groups(config: RunConfig, specs: list[GroupSpec]) -> list[WorkerGroup
 @attrs.frozen
 class Roles:
     """A run's roles, their engines initialised on every rank: the actor, the critic (with
-    ``critic.enable``) and the separate rollout replicas (with ``rollout.placement=separate``)."""
+    ``critic.enable``), the separate rollout replicas (with ``rollout.placement=separate``) and the
+    distillation teachers placed apart from the actor, by name."""
 
     actor: Actor
     critic: Critic | None = None
     replicas: RolloutReplicas | None = None
+    teachers: dict[str, Teacher] = attrs.field(factory=dict)
 
     def shutdown(self) -> None:
-        for role in (self.actor, self.critic, self.replicas):
+        for role in (self.actor, self.critic, self.replicas, *self.teachers.values()):
             if role is not None:
                 role.shutdown()
 
@@ -180,8 +182,9 @@ def replica_specs(config: RunConfig, registry: Any = None) -> list[GroupSpec]:
 
 
 def build_roles(config: RunConfig, registry: Any = None) -> Roles:
-    """The actor, the critic (with ``critic.enable``) and the rollout replicas (with
-    ``rollout.placement=separate``), their engines and rollouts initialised."""
+    """The actor, the critic (with ``critic.enable``), the rollout replicas (with
+    ``rollout.placement=separate``) and the distillation teachers placed apart from the actor, their
+    engines and rollouts initialised."""
     ranks = {"resources": config.trainer.rank_resources, "resources_key": "trainer.rank_resources"}
     specs = [
         GroupSpec("actor", WorkerMaker(ActorWorker, config, registry), config.actor.engine.device, **ranks)
@@ -192,6 +195,19 @@ def build_roles(config: RunConfig, registry: Any = None) -> Roles:
                 "critic", WorkerMaker(CriticWorker, config, registry), config.critic.engine.device, **ranks
             )
         )
+    trained = len(specs)  # the groups that write checkpoints and the export
+    separate_teachers = [
+        name for name, teacher in config.distillation.teachers.items() if teacher.placement == "separate"
+    ]
+    specs += [
+        GroupSpec(
+            f"teacher {name}",
+            WorkerMaker(TeacherWorker, config, registry, name),
+            config.distillation.teachers[name].engine.device,
+            **ranks,
+        )
+        for name in separate_teachers
+    ]
     separate = config.rollout.placement == "separate"
     if separate:
         specs += replica_specs(config, registry)
@@ -203,16 +219,22 @@ def build_roles(config: RunConfig, registry: Any = None) -> Roles:
         else:
             groups = worker_groups(config, specs)
         if config.trainer.workers == "ray":
-            check_shared_folders(config, groups[: 2 if config.critic.enable else 1])
+            check_shared_folders(config, groups[:trained])
         # Group shutdowns are idempotent: on a failure below, every group is released once more.
         actor = Actor(groups[0])
         critic = Critic(groups[1]) if config.critic.enable else None
+        teachers = {
+            name: Teacher(group)
+            for name, group in zip(
+                separate_teachers, groups[trained : trained + len(separate_teachers)], strict=True
+            )
+        }
         replicas = RolloutReplicas(groups[len(specs) - config.rollout.replicas :]) if separate else None
     except BaseException:  # an engine that failed to initialise: release every rank
         for group in groups:
             group.shutdown()
         raise
-    return Roles(actor, critic, replicas)
+    return Roles(actor, critic, replicas, teachers)
 
 
 def check_shared_folders(config: RunConfig, groups: list[Any]) -> None:
@@ -243,15 +265,15 @@ class WorkerMaker:
     It holds ``config`` with every path made absolute here, on the driver: a rank's process may run
     in another folder (on a cluster started with ``ray start``, the folder where that ran)."""
 
-    def __init__(self, worker_class: type, config: RunConfig, registry: Any):
-        self.worker_class, self.config = worker_class, absolute_paths(config)
+    def __init__(self, worker_class: type, config: RunConfig, registry: Any, *args: Any):
+        self.worker_class, self.config, self.args = worker_class, absolute_paths(config), args
         # A registry is a process's own discovery: Ray ranks discover the installed plugins again.
         self.registry = registry if config.trainer.workers == "in_process" else None
 
     def __call__(self) -> Any:
         if self.config.trainer.workers == "ray":  # a rank's own process: the run's console is the driver's
             quiet_progress_bars()
-        return self.worker_class(self.config, self.registry)
+        return self.worker_class(self.config, self.registry, *self.args)
 
 
 def quiet_progress_bars() -> None:

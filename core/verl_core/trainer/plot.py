@@ -1,5 +1,6 @@
 """A run's curves: training reward, validation score and losses against the step, drawn from
-``RUN_DIR/metrics.jsonl`` into ``RUN_DIR/curves.png``.
+``RUN_DIR/metrics.jsonl`` into ``RUN_DIR/curves.png``; and several runs' validation scores side by
+side, against the step and against the training seconds (``plot_comparison``).
 
 The trainer calls ``plot_run`` when a run ends; ``verl-core plot RUN_DIR`` redraws the picture from
 the JSONL file whenever asked, during a run too (it reads the steps flushed so far). Each panel draws
@@ -11,7 +12,9 @@ as it was.
 
 from __future__ import annotations
 
+import bisect
 import fnmatch
+import itertools
 import math
 import os
 from collections.abc import Sequence
@@ -125,6 +128,56 @@ def draw_curves(
     figure.savefig(partial, format="png", dpi=DPI)
     os.replace(partial, path)
     return tuple(panel.title for panel, _ in drawn)
+
+
+def plot_comparison(run_dirs: Sequence[str | os.PathLike[str]], path: str | os.PathLike[str]) -> Path:
+    """The validation score (``val/score/mean``) of each of ``run_dirs`` against the step and against the
+    training seconds (the sum of ``perf/step_s`` up to that step: validation time left out, which the
+    runs of one comparison spend alike), one line per run named by its folder as given, into the PNG ``path``.
+    A run folder without metrics or without validation scores is a ``VerlCoreError`` naming it."""
+    runs = {}
+    for run_dir in run_dirs:
+        source = Path(run_dir) / METRICS_FILE
+        if not source.is_file():
+            raise VerlCoreError(f"{source}: no such file: give the run folders of training runs")
+        records = read_records(source)
+        steps, scores = _series(records, VAL_SCORE_KEY, str(source))
+        if not steps:
+            raise VerlCoreError(
+                f"{source}: no {VAL_SCORE_KEY} to compare: the run never validated (trainer.test_freq)"
+            )
+        runs[str(run_dir)] = (
+            steps,
+            scores,
+            _training_seconds(records, steps, str(source)),
+        )
+    figure_class, canvas_class, integer_ticks = _matplotlib()
+    figure = figure_class(figsize=(PANEL_SIZE[0] * 2, PANEL_SIZE[1]), layout="constrained")
+    canvas_class(figure)
+    by_step, by_second = figure.subplots(1, 2)
+    for label, (steps, scores, seconds) in runs.items():
+        by_step.plot(steps, scores, marker="o", markersize=3, label=label)
+        by_second.plot(seconds, scores, marker="o", markersize=3, label=label)
+    by_step.set_xlabel("step")
+    by_step.xaxis.set_major_locator(integer_ticks(integer=True))
+    by_second.set_xlabel("training seconds")
+    for ax in (by_step, by_second):
+        ax.set_title(f"validation score ({VAL_SCORE_KEY})")
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    figure.savefig(partial, format="png", dpi=DPI)
+    os.replace(partial, path)
+    return path
+
+
+def _training_seconds(records: Sequence[dict[str, Any]], steps: Sequence[int], source: str) -> list[float]:
+    """The sum of ``perf/step_s`` over the steps up to each of ``steps`` (0 before the first)."""
+    trained, seconds = _series(records, "perf/step_s", source)
+    cumulative = list(itertools.accumulate(0.0 if math.isnan(value) else value for value in seconds))
+    at = [bisect.bisect_right(trained, step) for step in steps]  # training steps done by then
+    return [cumulative[done - 1] if done else 0.0 for done in at]
 
 
 def _series(records: Sequence[dict[str, Any]], key: str, source: str) -> tuple[list[int], list[float]]:

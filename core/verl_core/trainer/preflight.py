@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import attrs
+
 from verl_core.config.engine import EngineConfig, ModelConfig
 from verl_core.config.run import RunConfig
 from verl_core.config.validators import each_rule
@@ -60,6 +62,7 @@ def check_run(
         lambda: _engines(config, registry),
         lambda: _rollout(config, kind, registry),
         lambda: _adapters(config, registry),
+        lambda: _teachers(config, kind, registry),
         lambda: _checkpoint_dir(config, kind),
         lambda: _writable("trainer.run_dir", config.trainer.run_dir),
         lambda: _loggers(config),
@@ -129,6 +132,8 @@ def _engine_sections(config: RunConfig) -> dict[str, EngineConfig]:
         sections["ref.engine"] = config.ref.engine
     if config.critic.enable and config.critic.engine is not None:
         sections["critic.engine"] = config.critic.engine
+    for name, teacher in config.distillation.teachers.items():
+        sections[f"distillation.teachers.{name}.engine"] = teacher.engine
     return sections
 
 
@@ -245,6 +250,142 @@ def _adapters(config: RunConfig, registry: Registry) -> Iterator[tuple[str, str]
             pass
         if engine.model.lora:
             yield from _adapter_fits_the_model(engine.model, f"{where}.model")
+
+
+def _teachers(config: RunConfig, kind: TrainerKind, registry: Registry) -> Iterator[tuple[str, str]]:
+    """What distillation asks of its teachers and of the student: the student's tokenizer (the
+    student's token ids are scored by the teacher, and GKD compares both over the teacher's token ids),
+    ``top_k`` within the vocabulary and a backend that returns top-k log-probs (the student's too, which
+    returns its log-probs at the teacher's ids), and a routing column that every training row has,
+    naming a configured teacher."""
+    distillation = config.distillation
+    if kind != "rl" or not distillation.enabled:
+        return
+    student = _model_config(config.actor.engine.model.path)
+    student_vocabulary = None if student is None else student.get("vocab_size")
+    for name, teacher in distillation.teachers.items():
+        where = f"distillation.teachers.{name}"
+        yield from _same_tokenizer(config, teacher.engine.model, f"{where}.engine.model.path")
+        teacher_config = _model_config(teacher.engine.model.path)
+        vocabulary = None if teacher_config is None else teacher_config.get("vocab_size")
+        if isinstance(vocabulary, int) and teacher.top_k > vocabulary:
+            yield (
+                f"{where}.top_k",
+                f"{teacher.top_k} is more than the teacher's vocabulary ({vocabulary} tokens, config.json "
+                "vocab_size): set it to at most that (a few dozen suffice: GKD counts the rest as one outcome)",
+            )
+        if (
+            teacher.top_k
+            and isinstance(vocabulary, int)
+            and isinstance(student_vocabulary, int)
+            and vocabulary > student_vocabulary
+        ):
+            yield (
+                f"{where}.engine.model.path",
+                f"the teacher's vocabulary ({vocabulary} tokens) is larger than the student's "
+                f"({student_vocabulary}, actor.engine.model.path): its top-k ids could name tokens the student "
+                "has no logits for; use a teacher with the student's vocabulary, or distillation.loss=reverse_kl",
+            )
+        if teacher.top_k:
+            yield from _returns_top_k(
+                teacher.engine, registry, f"{where}.top_k", "the teacher's top-k tokens"
+            )
+    if distillation.loss == "gkd":
+        yield from _returns_top_k(
+            config.actor.engine,
+            registry,
+            "actor.engine.backend",
+            "the student's log-probs at the teacher's top-k ids",
+        )
+    if distillation.route_by is not None:
+        yield from _routes(config)
+
+
+def _returns_top_k(
+    engine: EngineConfig, registry: Registry, key: str, what: str
+) -> Iterator[tuple[str, str]]:
+    try:
+        entry = registry.entry(Kind.ENGINE_BACKENDS, engine.backend)
+    except VerlCoreError:  # an unknown or unusable backend: the config load reports it
+        return
+    if not entry.descriptor.top_k_log_probs:
+        from verl_core.engine.factory import declaring_backends
+
+        declaring = declaring_backends(registry, "top_k_log_probs")
+        yield (
+            key,
+            f"engine backend '{engine.backend}' ({entry.provider}) does not declare "
+            f"EngineBackend(top_k_log_probs=True), which {what} need: choose a backend that does "
+            f"({', '.join(declaring) or 'none is installed'}), or distillation.loss=reverse_kl",
+        )
+
+
+def _same_tokenizer(config: RunConfig, teacher: ModelConfig, key: str) -> Iterator[tuple[str, str]]:
+    """The teacher's tokenizer against the student's: the same vocabulary (every token, same id) and
+    the same special tokens. Cross-tokenizer distillation is out of scope (docs/distillation.md)."""
+    from verl_core.trainer.build import load_tokenizer
+
+    try:
+        student = load_tokenizer(config.actor.engine.model)
+    except ConfigError:  # the student's tokenizer's own problem: reported by the model checks
+        return
+    try:
+        theirs = load_tokenizer(
+            attrs.evolve(
+                config.actor.engine.model, path=teacher.path, trust_remote_code=teacher.trust_remote_code
+            )
+        )
+    except ConfigError as error:
+        yield key, "; ".join(message for _, message in error.errors)
+        return
+    difference = tokenizer_difference(student, theirs)
+    if difference is not None:
+        yield (
+            key,
+            f"the teacher's tokenizer is not the student's (actor.engine.model.path): {difference}; "
+            "distillation compares the two models token by token, so they need one tokenizer (cross-tokenizer "
+            "distillation is not supported: docs/distillation.md)",
+        )
+
+
+def tokenizer_difference(student: Any, teacher: Any) -> str | None:
+    """The first difference between two tokenizers that would make token ids mean different things
+    (vocabulary size, a token's id, a special token), or ``None``."""
+    ours, theirs = student.get_vocab(), teacher.get_vocab()
+    if len(ours) != len(theirs):
+        return f"{len(theirs)} tokens against the student's {len(ours)}"
+    for token, index in sorted(ours.items(), key=lambda item: item[1]):
+        if theirs.get(token) != index:
+            return f"token {token!r} is id {theirs.get(token)} for the teacher, {index} for the student"
+    for special in ("bos_token_id", "eos_token_id"):
+        if getattr(student, special) != getattr(teacher, special):
+            return f"{special} {getattr(teacher, special)} against the student's {getattr(student, special)}"
+    return None
+
+
+def _routes(config: RunConfig) -> Iterator[tuple[str, str]]:
+    """Every training row names a configured teacher in the ``distillation.route_by`` column."""
+    column, teachers = config.distillation.route_by, config.distillation.teachers
+    for index, path in enumerate(config.data.train_files):
+        try:
+            rows = read_file(path, f"data.train_files[{index}]")
+        except DataError:  # the file's own problem: reported by the dataset checks
+            continue
+        for number, row in enumerate(rows):
+            if column not in row:
+                yield (
+                    "distillation.route_by",
+                    f"row {number} of '{path}' has no column {column!r} (its columns: {sorted(row)}): add it to "
+                    "every row, or route by a column the data has",
+                )
+                break
+            if row[column] not in teachers:
+                yield (
+                    "distillation.route_by",
+                    f"row {number} of '{path}' routes to {row[column]!r}, which is not a teacher "
+                    f"(distillation.teachers: {', '.join(teachers)}): add that teacher, or fix the row",
+                )
+                break
 
 
 def _adapter_fits_the_model(model: ModelConfig, where: str) -> Iterator[tuple[str, str]]:

@@ -3,8 +3,9 @@
 One training step, as ``train_step`` reads top to bottom: generate ``rollout.n`` responses per prompt,
 score them, the old log-probs (the rollout's own when provably exact: one mini-batch, one epoch, the
 engine's dtype; otherwise recomputed, and compared with the rollout's: ``rollout/*``), the
-reference log-probs (only with a KL term), the critic's values (only with a critic), KL in the reward
-(optional), the rollout correction (with recomputed old log-probs: the ``rollout_corr/*`` metrics, and
+reference log-probs (only with a KL term), the critic's values (only with a critic), the distillation
+teachers' scores and signal (only with ``distillation.teachers``: ``verl_core.trainer.distillation``), KL
+in the reward (optional), the rollout correction (with recomputed old log-probs: the ``rollout_corr/*`` metrics, and
 the rejection and weights of ``actor.policy_loss.rollout_correction``), advantages by the configured
 estimator, the critic's update, the actor's update, and the trained weights into the rollout. ``fit`` runs the steps, validates every ``test_freq`` steps, saves a
 checkpoint every ``save_freq`` steps and resumes from the newest one.
@@ -51,6 +52,7 @@ from verl_core.data.batch import (
     ROLLOUT_LOG_PROBS,
     ROLLOUT_POLICY_VERSIONS,
     SCORES,
+    TEACHER_LOG_PROBS,
     TOKEN_LEVEL_REWARDS,
     UID,
     VALUES,
@@ -64,6 +66,7 @@ from verl_core.rollout.base import SamplingParams
 from verl_core.seeds import derive_seed
 from verl_core.trainer import console
 from verl_core.trainer.asynchronous import GenerationPipeline, ReadyBatch
+from verl_core.trainer.distillation import TEACHER_INDEX, Teachers
 from verl_core.trainer.loop import Trainer, epoch_sampler, prepare_run, run_length, with_run_length
 from verl_core.trainer.metrics import REWARD_KEY, VAL_SCORE_KEY
 from verl_core.trainer.preflight import preflight
@@ -72,7 +75,7 @@ from verl_core.trainer.timing import Timer
 from verl_core.trainer.validation import summarize
 from verl_core.workers.dispatch import check_divisible
 from verl_core.workers.replicas import RolloutReplicas
-from verl_core.workers.roles import Actor, Critic
+from verl_core.workers.roles import Actor, Critic, Teacher
 
 #: ``trainer_state.json``'s ``trainer``: what tells an RL run's checkpoint from an SFT run's.
 TRAINER_KIND = "rl"
@@ -119,9 +122,15 @@ class RLTrainer(Trainer):
         registry: Any = None,
         show_progress: bool = True,
         replicas: RolloutReplicas | None = None,
+        teachers: dict[str, Teacher] | None = None,
     ):
         self.config = config
         self.actor, self.critic = actor, critic
+        #: The distillation teachers placed apart from the actor, by name (``distillation.teachers``).
+        self.separate_teachers = dict(teachers or {})
+        self.teachers = (
+            Teachers(config, actor, self.separate_teachers) if config.distillation.enabled else None
+        )
         #: The separate rollout replicas (``rollout.placement=separate``), None when colocated.
         self.replicas = replicas
         #: The generation thread of an asynchronous run, while ``fit`` trains.
@@ -177,6 +186,7 @@ class RLTrainer(Trainer):
                 actor=roles.actor,
                 critic=roles.critic,
                 replicas=roles.replicas,
+                teachers=roles.teachers,
                 tokenizer=tokenizer,
                 train_data=train_data,
                 val_data=val_data,
@@ -194,7 +204,7 @@ class RLTrainer(Trainer):
     def shutdown(self) -> None:
         """Release the worker groups and the run's folders."""
         self._stop_pipeline()
-        for role in (self.actor, self.critic, self.replicas):
+        for role in (self.actor, self.critic, self.replicas, *self.separate_teachers.values()):
             if role is not None:
                 role.shutdown()
         self.release()
@@ -240,8 +250,11 @@ class RLTrainer(Trainer):
         if self.critic is not None:
             with timer.phase("values"):
                 batch[VALUES] = self.critic.compute_values(batch)
+        if self.teachers is not None:
+            with timer.phase("teachers"):
+                metrics |= self.teachers.distill(batch)
         # The engines score every token they read; environment tokens (multi-turn) keep none.
-        for key in (OLD_LOG_PROBS, REF_LOG_PROB, VALUES):
+        for key in (OLD_LOG_PROBS, REF_LOG_PROB, VALUES, TEACHER_LOG_PROBS):
             if key in batch.keys():
                 batch[key] = torch.where(batch[RESPONSE_MASK].bool(), batch[key], 0.0)
 
@@ -333,6 +346,8 @@ class RLTrainer(Trainer):
             kept_rows += [rows[group] for group in groups]
         merged = concat_batches(kept, self.sampling.pad_token_id)
         merged[UID] = torch.arange(len(kept_rows)).repeat_interleave(self.n)
+        if self.teachers is not None:
+            merged[TEACHER_INDEX] = self.teachers.route(kept_rows, self.n)
         # Every round scored as many responses: the mean over the rounds that logged a metric is its
         # mean over their responses; failures add up.
         reward_metrics = {}

@@ -2,8 +2,9 @@
 
 ``ActorWorker`` holds the policy engine (role ``lm``), its rollout in the same process, and, when a KL
 term needs it, the reference policy (an engine that never steps its optimiser, or the policy's own
-engine when it ``serves_reference``: LoRA's base model); ``CriticWorker`` holds
-a value engine; ``SFTWorker`` the policy engine alone, for supervised fine-tuning. Each method works
+engine when it ``serves_reference``: LoRA's base model) and the colocated distillation teachers;
+``CriticWorker`` holds a value engine; ``TeacherWorker`` a teacher of its own placement (an engine in
+inference mode); ``SFTWorker`` the policy engine alone, for supervised fine-tuning. Each method works
 on this rank's share of a batch and is called on every rank of the group together (the engines'
 collectives line up); ``verl_core.workers.roles`` splits batches and collects results. Every update
 is one loop (``update_engine``): epochs over contiguous mini-batches, one optimiser step each.
@@ -20,6 +21,7 @@ from tensordict import TensorDict
 
 from verl_core.algos.actor_loss import compute_actor_loss
 from verl_core.algos.aggregation import TOKEN_MEAN, agg_loss
+from verl_core.algos.distillation import gkd_loss
 from verl_core.algos.policy_loss import rollout_log_prob_mismatch
 from verl_core.algos.registry import get_policy_loss
 from verl_core.algos.rollout_correction import rollout_mismatch_metrics
@@ -27,6 +29,7 @@ from verl_core.algos.value_loss import compute_value_loss
 from verl_core.config.run import OldLogProbsSource, RunConfig
 from verl_core.data.batch import (
     ADVANTAGES,
+    CANDIDATE_LOG_PROBS,
     COMPUTE_ENTROPY,
     ENTROPY,
     LOG_PROBS,
@@ -35,7 +38,13 @@ from verl_core.data.batch import (
     RESPONSE_MASK,
     RETURNS,
     ROLLOUT_LOG_PROBS,
+    TEACHER_LOG_PROBS,
+    TEACHER_TOP_K_IDS,
+    TEACHER_TOP_K_LOG_PROBS,
     TEMPERATURE,
+    TOP_K,
+    TOP_K_IDS,
+    TOP_K_LOG_PROBS,
     VALUES,
     get_global_counts,
     select_rows,
@@ -114,6 +123,12 @@ class ActorWorker:
         if config.uses_kl and not self.ref_in_policy:
             ref_path = "ref.engine" if config.ref.engine is not None else "actor.engine"
             self.ref = build_engine(config.ref_engine, ModelRole.LM, registry, config_path=ref_path)
+        #: The distillation teachers placed in the actor's processes, by name.
+        self.teachers = {
+            name: build_teacher(config, name, registry)
+            for name, teacher in config.distillation.teachers.items()
+            if teacher.placement == "colocated"
+        }
         #: How the weights travel to separate replicas (loaded when first needed).
         self.transport = None
         #: The colocated rollout; ``None`` with ``rollout.placement=separate`` (replicas of their own
@@ -134,8 +149,9 @@ class ActorWorker:
 
     def initialize(self) -> Topology:
         self.policy.initialize()
-        if self.ref is not None:
-            self.ref.initialize()
+        for engine in (self.ref, *self.teachers.values()):
+            if engine is not None:
+                engine.initialize()
         if self.rollout is None:
             return engine_topology(self.policy)
         self.rollout.initialize()
@@ -217,6 +233,10 @@ class ActorWorker:
             )
         return self._log_probs(self.ref, batch)
 
+    def compute_teacher_outputs(self, batch: TensorDict, name: str) -> TensorDict | None:
+        """Teacher ``name``'s scores of ``batch`` (``teacher_outputs``), a teacher colocated here."""
+        return teacher_outputs(self.teachers[name], batch, self.config, name)
+
     def _log_probs(self, engine: BaseEngine, batch: TensorDict) -> torch.Tensor | None:
         batch = batch.copy()
         batch.set_non_tensor(TEMPERATURE, self.config.rollout.temperature)
@@ -234,6 +254,8 @@ class ActorWorker:
         batch.set_non_tensor(TEMPERATURE, self.config.rollout.temperature)
         batch.set_non_tensor(COMPUTE_ENTROPY, policy_config.entropy_coeff != 0)
         source = self.config.old_log_probs_source(num_mini_batches, self.registry)
+        distillation = self.config.distillation
+        gkd = distillation.enabled and distillation.loss == "gkd"
 
         def loss_fn(
             output: dict[str, torch.Tensor], micro_batch: TensorDict, dp_group: Any
@@ -268,6 +290,17 @@ class ActorWorker:
                 rollout_log_probs=micro_batch[ROLLOUT_LOG_PROBS] if ROLLOUT_LOG_PROBS in keys else None,
                 policy_loss=self.policy_loss,
             )
+            if gkd:  # the student at the teacher's top-k ids (the batch's CANDIDATE_IDS), against the teacher
+                divergence, gkd_metrics = gkd_loss(
+                    candidate_log_probs=output[CANDIDATE_LOG_PROBS],
+                    teacher_top_k_log_probs=micro_batch[TEACHER_TOP_K_LOG_PROBS],
+                    response_mask=micro_batch[RESPONSE_MASK],
+                    beta=distillation.beta,
+                    loss_agg_mode=policy_config.loss_agg_mode,
+                    counts=get_global_counts(micro_batch),
+                )
+                loss = loss + distillation.coef * divergence
+                metrics |= gkd_metrics
             return loss, metrics | mismatch
 
         return update_engine(
@@ -287,6 +320,47 @@ class ActorWorker:
 
     def save_hf_model(self, path: str) -> None:
         self.policy.save_hf_model(path)
+
+
+def build_teacher(config: RunConfig, name: str, registry: Any = None) -> BaseEngine:
+    """Distillation teacher ``name``'s engine: an ``lm`` engine of its own backend and model, which only
+    ever runs forward passes."""
+    where = f"distillation.teachers.{name}.engine"
+    return build_engine(config.distillation.teachers[name].engine, ModelRole.LM, registry, config_path=where)
+
+
+def teacher_outputs(engine: BaseEngine, batch: TensorDict, config: RunConfig, name: str) -> TensorDict | None:
+    """A teacher's scores of ``batch``'s responses at the rollout's temperature (the distribution the
+    student sampled from): ``TEACHER_LOG_PROBS`` of the sampled tokens and, with its ``top_k``,
+    ``TEACHER_TOP_K_LOG_PROBS`` / ``TEACHER_TOP_K_IDS`` (``None`` on ranks that own no outputs)."""
+    top_k = config.distillation.teachers[name].top_k
+    batch = batch.copy()
+    batch.set_non_tensor(TEMPERATURE, config.rollout.temperature)
+    batch.set_non_tensor(COMPUTE_ENTROPY, False)
+    batch.set_non_tensor(TOP_K, top_k)
+    with engine.eval_mode():
+        outputs = engine.infer_batch(batch).outputs
+    if outputs is None:
+        return None
+    scores = {TEACHER_LOG_PROBS: outputs[LOG_PROBS]}
+    if top_k:
+        scores |= {TEACHER_TOP_K_LOG_PROBS: outputs[TOP_K_LOG_PROBS], TEACHER_TOP_K_IDS: outputs[TOP_K_IDS]}
+    return TensorDict(scores, batch_size=outputs.batch_size)
+
+
+class TeacherWorker:
+    """One rank of a distillation teacher placed apart from the actor (``placement: separate``)."""
+
+    def __init__(self, config: RunConfig, registry: Any = None, name: str = ""):
+        self.config, self.name = config, name
+        self.engine = build_teacher(config, name, registry)
+
+    def initialize(self) -> Topology:
+        self.engine.initialize()
+        return engine_topology(self.engine)
+
+    def compute_outputs(self, batch: TensorDict) -> TensorDict | None:
+        return teacher_outputs(self.engine, batch, self.config, self.name)
 
 
 class CriticWorker:

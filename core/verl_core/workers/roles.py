@@ -8,6 +8,8 @@ and per-row forward passes take any number of rows; an update needs equal shards
 does not divide is refused at the config key its caller names (the one that sets the batch's size).
 A role without a critic simply has no ``Critic``; the reference policy lives inside the actor and is
 asked for through ``Actor.compute_ref_log_probs``, which refuses clearly when no KL term built one.
+Distillation teachers live inside the actor too (``Actor.compute_teacher_outputs``), or over ranks of
+their own (``Teacher``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from verl_core.workers.dispatch import (
     split_batch,
 )
 from verl_core.workers.group import WorkerGroup
-from verl_core.workers.ranks import ActorWorker, CriticWorker, SFTWorker
+from verl_core.workers.ranks import ActorWorker, CriticWorker, SFTWorker, TeacherWorker
 from verl_core.workers.replicas import PublishedWeights
 
 
@@ -112,6 +114,10 @@ class Actor(Role):
     def compute_ref_log_probs(self, batch: TensorDict) -> torch.Tensor:
         return self._per_row(ActorWorker.compute_ref_log_probs, batch)
 
+    def compute_teacher_outputs(self, batch: TensorDict, name: str) -> TensorDict:
+        """Distillation teacher ``name``'s scores of ``batch`` (placed in the actor's processes)."""
+        return self._per_row(ActorWorker.compute_teacher_outputs, batch, name)
+
     def sync_weights(self) -> None:
         self.group.call(ActorWorker.sync_weights)
 
@@ -135,6 +141,16 @@ class Critic(Role):
 
     def compute_values(self, batch: TensorDict) -> torch.Tensor:
         return self._per_row(CriticWorker.compute_values, batch)
+
+
+class Teacher(Role):
+    """A distillation teacher over ranks of its own (``distillation.teachers.<name>.placement: separate``)."""
+
+    worker_class = TeacherWorker
+
+    def compute_outputs(self, batch: TensorDict) -> TensorDict:
+        """The teacher's scores of ``batch`` (``verl_core.workers.ranks.teacher_outputs``)."""
+        return self._per_row(TeacherWorker.compute_outputs, batch)
 
 
 class SFT(Role):

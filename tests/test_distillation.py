@@ -1,0 +1,200 @@
+"""On-policy distillation in the RL trainer (in process, on the demo's tiny model): the teachers' scores
+against a plain forward pass of each teacher, the reverse-KL reward written out, routing by a data
+column, a teacher on ranks of its own computing what a colocated one does, and every bad input refused
+before start at its key."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from fixtures.demo import run_overrides
+
+from verl_core.config import load_config
+from verl_core.data.batch import (
+    INPUT_IDS,
+    OLD_LOG_PROBS,
+    RESPONSE_MASK,
+    RESPONSES,
+    SCORES,
+    TEACHER_LOG_PROBS,
+    TOKEN_LEVEL_REWARDS,
+)
+from verl_core.errors import ConfigError
+from verl_core.trainer.distillation import TEACHER_INDEX
+from verl_core.trainer.preflight import check_run
+from verl_core.trainer.rl import RLTrainer, outcome_rewards
+
+torch.set_num_threads(1)
+
+TEMPERATURE = 0.8
+
+
+@pytest.fixture(scope="module")
+def teachers(demo, tmp_path_factory):
+    """Two teachers with the student's tokenizer (the demo model, its weights moved by seeded noise), and
+    one with another vocabulary."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("teachers")
+    folders = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        model = AutoModelForCausalLM.from_pretrained(demo.model)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
+        folders[name] = root / name
+        model.save_pretrained(folders[name])
+        AutoTokenizer.from_pretrained(demo.model).save_pretrained(folders[name])
+    folders["other_vocabulary"] = root / "other_vocabulary"
+    shutil.copytree(folders["a"], folders["other_vocabulary"])
+    tokenizer = AutoTokenizer.from_pretrained(demo.model)
+    tokenizer.add_tokens(["<teacher-only>"])
+    tokenizer.save_pretrained(folders["other_vocabulary"])
+    return folders
+
+
+def teacher_keys(name: str, path, **options) -> dict[str, object]:
+    keys = {
+        f"distillation.teachers.{name}.engine.backend": "ddp",
+        f"distillation.teachers.{name}.engine.model.path": str(path),
+        f"distillation.teachers.{name}.engine.device": "cpu",
+    }
+    return keys | {f"distillation.teachers.{name}.{key}": value for key, value in options.items()}
+
+
+def distilled_run(demo, tmp_path, **changes):
+    """One GRPO step that distills, its batch kept (``RLTrainer.last_batch``)."""
+    values = {"trainer.total_training_steps": 1, "rollout.temperature": TEMPERATURE} | changes
+    trainer = RLTrainer.from_config(
+        load_config([], run_overrides(demo, tmp_path, **values)), show_progress=False
+    )
+    try:
+        metrics = trainer.fit()
+    finally:
+        trainer.shutdown()
+    return trainer.last_batch, metrics
+
+
+def plain_log_probs(model_path, batch) -> torch.Tensor:
+    """The teacher's log-probs of the responses from a plain forward pass of its Hugging Face model,
+    the logits at column ``P + t - 1`` predicting response token ``t``, at the rollout's temperature."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    response_length = batch[RESPONSES].shape[1]
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch[INPUT_IDS],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+        ).logits
+    predicting = logits[:, -response_length - 1 : -1] / TEMPERATURE
+    log_probs = predicting.log_softmax(-1).gather(-1, batch[RESPONSES].unsqueeze(-1)).squeeze(-1)
+    return log_probs * batch[RESPONSE_MASK]
+
+
+def test_reverse_kl_rewards_are_the_teachers_log_probs_minus_the_students(demo, teachers, tmp_path):
+    coef, task = 0.5, 2.0
+    batch, metrics = distilled_run(
+        demo,
+        tmp_path,
+        **teacher_keys("a", teachers["a"]),
+        **{"distillation.coef": coef, "distillation.task_reward_coef": task},
+    )
+    expected_teacher = plain_log_probs(teachers["a"], batch)
+    assert torch.allclose(batch[TEACHER_LOG_PROBS], expected_teacher, atol=1e-5)
+    mask = batch[RESPONSE_MASK]
+    expected = (
+        task * outcome_rewards(batch[SCORES], mask) + coef * (expected_teacher - batch[OLD_LOG_PROBS]) * mask
+    )
+    assert torch.allclose(batch[TOKEN_LEVEL_REWARDS], expected, atol=1e-5)
+    log_ratio = ((batch[OLD_LOG_PROBS] - expected_teacher) * mask).sum() / mask.sum()
+    assert metrics["distillation/reverse_kl"] == pytest.approx(float(log_ratio), abs=1e-5)
+    assert metrics["timing/teachers"] > 0
+
+
+def test_rows_go_to_the_teacher_their_column_names(demo, teachers, tmp_path):
+    rows = [json.loads(line) for line in demo.train.read_text().splitlines()]
+    routed = tmp_path / "routed.jsonl"
+    routed.write_text(
+        "".join(json.dumps(row | {"teacher": "ab"[i % 2]}) + "\n" for i, row in enumerate(rows))
+    )
+    batch, metrics = distilled_run(
+        demo,
+        tmp_path,
+        **teacher_keys("a", teachers["a"]),
+        **teacher_keys("b", teachers["b"]),
+        **{"distillation.route_by": "teacher", "data.train_files": f"[{routed}]", "data.shuffle": "false"},
+    )
+    routes = batch[TEACHER_INDEX]
+    assert set(routes.tolist()) == {0, 1}
+    for index, name in enumerate("ab"):
+        rows = routes == index
+        expected = plain_log_probs(teachers[name], batch[rows])
+        assert torch.allclose(batch[TEACHER_LOG_PROBS][rows], expected, atol=1e-5), name
+    assert "distillation/a/reverse_kl" in metrics and "distillation/b/reverse_kl" in metrics
+
+
+def test_a_teacher_on_ranks_of_its_own_computes_what_a_colocated_one_does(demo, teachers, tmp_path):
+    colocated, _ = distilled_run(demo, tmp_path / "colocated", **teacher_keys("a", teachers["a"]))
+    separate, _ = distilled_run(
+        demo, tmp_path / "separate", **teacher_keys("a", teachers["a"], placement="separate")
+    )
+    for key in (TEACHER_LOG_PROBS, TOKEN_LEVEL_REWARDS):
+        assert torch.equal(colocated[key], separate[key]), key
+
+
+# -- bad input, refused before start ---------------------------------------------------------------
+
+
+def problems(demo, tmp_path, **changes) -> dict[str, str]:
+    """The pre-flight problems of a distilling run's config (load_config's own errors included)."""
+    try:
+        config = load_config([], run_overrides(demo, tmp_path, **changes))
+    except ConfigError as error:
+        return dict(error.errors)
+    return dict(check_run(config, "rl"))
+
+
+def test_a_missing_teacher_model_is_refused_at_its_path(demo, tmp_path):
+    found = problems(demo, tmp_path, **teacher_keys("big", tmp_path / "nowhere"))
+    assert "nowhere" in found["distillation.teachers.big.engine.model.path"]
+
+
+def test_a_teacher_with_another_vocabulary_is_refused(demo, teachers, tmp_path):
+    found = problems(demo, tmp_path, **teacher_keys("t", teachers["other_vocabulary"]))
+    message = found["distillation.teachers.t.engine.model.path"]
+    assert (
+        "the teacher's tokenizer is not the student's" in message
+        and "tokens against the student's" in message
+    )
+    assert "cross-tokenizer distillation is not supported" in message
+
+
+def test_top_k_must_be_positive_for_gkd_and_within_the_vocabulary(demo, teachers, tmp_path):
+    found = problems(demo, tmp_path, **teacher_keys("t", teachers["a"]), **{"distillation.loss": "gkd"})
+    assert "set top_k" in found["distillation.teachers.t.top_k"]
+    found = problems(demo, tmp_path, **teacher_keys("t", teachers["a"], top_k=-1))
+    assert "distillation.teachers.t.top_k" in found
+    found = problems(
+        demo, tmp_path, **teacher_keys("t", teachers["a"], top_k=100_000), **{"distillation.loss": "gkd"}
+    )
+    assert "more than the teacher's vocabulary" in found["distillation.teachers.t.top_k"]
+
+
+def test_routing_needs_a_column_every_row_has_naming_a_teacher(demo, teachers, tmp_path):
+    two = teacher_keys("a", teachers["a"]) | teacher_keys("b", teachers["b"])
+    assert "required with several teachers" in problems(demo, tmp_path, **two)["distillation.route_by"]
+    found = problems(demo, tmp_path, **two, **{"distillation.route_by": "teacher"})
+    assert "has no column 'teacher'" in found["distillation.route_by"]
+    rows = [json.loads(line) for line in demo.train.read_text().splitlines()]
+    routed = tmp_path / "routed.jsonl"
+    routed.write_text("".join(json.dumps(row | {"teacher": "c"}) + "\n" for row in rows))
+    found = problems(
+        demo, tmp_path, **two, **{"distillation.route_by": "teacher", "data.train_files": f"[{routed}]"}
+    )
+    assert "routes to 'c', which is not a teacher" in found["distillation.route_by"]

@@ -13,6 +13,7 @@ from verl_core.data import (
     RESPONSE_MASK,
     RESPONSES,
     ROLLOUT_LOG_PROBS,
+    TEACHER_TOP_K_IDS,
     concat_batches,
     responses_batch,
 )
@@ -81,3 +82,21 @@ def test_concatenated_batches_equal_one_batch_of_every_row(first, second) -> Non
     assert set(joined.keys()) == set(whole.keys())
     for key in whole.keys():
         assert torch.equal(joined[key], whole[key]), key
+
+
+@settings(max_examples=40, deadline=None)
+@given(rollout_rows(), rollout_rows(), st.integers(1, 4))
+def test_per_token_tensors_of_more_dimensions_pad_their_response_dimension(first, second, k) -> None:
+    """``[B, R, k]`` tensors (a teacher's top-k) survive joining batches of different response widths:
+    each row's values in place, zeros after its response."""
+    parts = [responses_batch(*rows[:3], PAD) for rows in (first, second)]
+    for part in parts:
+        width = part[RESPONSES].shape[-1]
+        part[TEACHER_TOP_K_IDS] = torch.arange(len(part) * width * k).view(len(part), width, k) + 1
+    joined = concat_batches(parts, pad_token_id=PAD)
+    width = joined[RESPONSES].shape[-1]
+    assert joined[TEACHER_TOP_K_IDS].shape == (len(joined), width, k)
+    rows = [row for part in parts for row in part[TEACHER_TOP_K_IDS]]
+    for row, expected in zip(joined[TEACHER_TOP_K_IDS], rows, strict=True):
+        assert torch.equal(row[: expected.shape[0]], expected)
+        assert (row[expected.shape[0] :] == 0).all()

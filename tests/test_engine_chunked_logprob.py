@@ -22,7 +22,14 @@ from verl_core.config.engine import MicroBatchConfig
 from verl_core.config.validators import InvalidValue
 from verl_core.data import COMPUTE_ENTROPY, ENTROPY, LOG_PROBS, TEMPERATURE
 from verl_core.testing.tiny import VOCAB_SIZE, TinyModelSpec, collate, make_samples
-from verl_core.toolkit import chunked_log_probs_and_entropy, forward_micro_batch, log_probs_and_entropy
+from verl_core.toolkit import (
+    TokenLogProbs,
+    chunked_log_probs_and_entropy,
+    chunked_token_log_probs,
+    forward_micro_batch,
+    log_probs_and_entropy,
+    token_log_probs,
+)
 from verl_core.toolkit import forward as hf_module
 from verl_core.toolkit import logprob as logprob_module
 from verl_core.toolkit.varlen import attn_implementation_for
@@ -242,6 +249,107 @@ def test_the_formula_comparison_catches_a_wrong_backward(monkeypatch, broken) ->
     assert largest_difference(formula_outputs(chunked_log_probs_and_entropy, *args), expected) <= TOLERANCE
     monkeypatch.setattr(logprob_module, "_grad_logits", broken)
     assert largest_difference(formula_outputs(chunked_log_probs_and_entropy, *args), expected) > 1e-2
+
+
+# -- several labels per token and the top-k (GKD's candidates and teacher) --------------------------
+
+
+def several_labels_outputs(chunker, tokens, vocab, labels_per_token, top_k, chunk_size, seed):
+    """Log-probs of ``labels_per_token`` labels per token (duplicates drawn too), entropy, the top-k,
+    and the gradients of a weighted sum of the log-probs and the entropy."""
+    hidden, weight, bias, _ = formula_inputs(tokens=tokens, vocab=vocab, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    labels = torch.randint(0, vocab, (tokens, labels_per_token), generator=generator)
+    computed = chunker(
+        hidden,
+        weight,
+        bias,
+        labels,
+        TEMPERATURE_VALUE,
+        compute_entropy=True,
+        top_k=top_k,
+        chunk_size=chunk_size,
+    )
+    scales = torch.randn(tokens, labels_per_token + 1, generator=generator, dtype=torch.float64)
+    loss = (scales[:, 1:] * computed.log_probs).sum() + (scales[:, 0] * computed.entropy).sum()
+    grads = torch.autograd.grad(loss, (hidden, weight, bias))
+    return {
+        "log_probs": computed.log_probs.detach(),
+        "entropy": computed.entropy.detach(),
+        "top_k_log_probs": computed.top_k_log_probs,
+        "top_k_ids": computed.top_k_ids.double(),
+    } | {f"grad{i}": g for i, g in enumerate(grads)}
+
+
+def log_softmax_formula(hidden, weight, bias, labels, temperature, *, compute_entropy, top_k, chunk_size):
+    """The plain autograd formula: ``log_softmax`` of the whole logits, gathered and ``topk``-ed."""
+    log_p = torch.log_softmax(F.linear(hidden, weight, bias) / temperature, dim=-1)
+    top = log_p.detach().topk(top_k, dim=-1)
+    return TokenLogProbs(log_p.gather(-1, labels), -(log_p.exp() * log_p).sum(-1), top.values, top.indices)
+
+
+def scatters_the_first_label_only(logits, labels, temperature, log_normaliser, entropy, grad_lp, grad_h):
+    """A broken backward: the gradient of a token's first label alone (one label per token, as before)."""
+    first = None if grad_lp is None else grad_lp[:, :1]
+    return ORIGINAL_GRAD_LOGITS(logits, labels[:, :1], temperature, log_normaliser, entropy, first, grad_h)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    tokens=st.integers(min_value=1, max_value=20),
+    chunk_size=st.integers(min_value=1, max_value=24),
+    vocab=st.integers(min_value=2, max_value=30),
+    labels_per_token=st.integers(min_value=1, max_value=6),
+    data=st.data(),
+)
+def test_several_labels_per_token_and_the_top_k_give_the_log_softmax_formula(
+    tokens, chunk_size, vocab, labels_per_token, data
+) -> None:
+    """Labels ``[tokens, m]`` (the sampled token and a teacher's top-k, say) gathered in one pass,
+    chunked or whole, equal ``log_softmax(...).gather``, gradients included; the top-k equals
+    ``log_softmax(...).topk`` (random float64 logits do not tie)."""
+    top_k = data.draw(st.integers(min_value=1, max_value=vocab))
+    args = (tokens, vocab, labels_per_token, top_k, chunk_size, data.draw(st.integers(0, 2**16)))
+    expected = several_labels_outputs(log_softmax_formula, *args)
+    assert largest_difference(several_labels_outputs(chunked_token_log_probs, *args), expected) <= TOLERANCE
+
+
+def test_the_several_labels_comparison_catches_a_backward_that_keeps_one_label(monkeypatch) -> None:
+    args = (10, 17, 4, 3, 3, 0)
+    expected = several_labels_outputs(log_softmax_formula, *args)
+    assert largest_difference(several_labels_outputs(chunked_token_log_probs, *args), expected) <= TOLERANCE
+    monkeypatch.setattr(logprob_module, "_grad_logits", scatters_the_first_label_only)
+    assert largest_difference(several_labels_outputs(chunked_token_log_probs, *args), expected) > 1e-2
+
+
+@pytest.mark.parametrize("compute_entropy", [True, False], ids=["entropy", "log-probs"])
+def test_the_custom_backward_of_several_labels_passes_gradcheck(compute_entropy) -> None:
+    hidden, weight, bias, labels = formula_inputs()
+    labels = torch.stack([labels, labels.flip(0), labels], dim=-1)  # a label twice per token too
+
+    def outputs(hidden, weight, bias):  # 10 tokens in chunks of 3, the top-k alongside
+        computed = chunked_token_log_probs(
+            hidden, weight, bias, labels, 0.6, compute_entropy=compute_entropy, top_k=2, chunk_size=3
+        )
+        assert not computed.top_k_log_probs.requires_grad
+        return (computed.log_probs, computed.entropy) if compute_entropy else computed.log_probs
+
+    assert torch.autograd.gradcheck(outputs, (hidden, weight, bias))
+
+
+def test_the_top_k_keeps_leading_dimensions_and_is_refused_beyond_the_vocabulary() -> None:
+    hidden, weight = torch.randn(2, 5, 4), torch.randn(9, 4)
+    labels = torch.randint(0, 9, (2, 5, 3))
+    computed = chunked_token_log_probs(hidden, weight, None, labels, top_k=4, chunk_size=3)
+    assert computed.log_probs.shape == (2, 5, 3) and computed.entropy is None
+    assert computed.top_k_log_probs.shape == computed.top_k_ids.shape == (2, 5, 4)
+    whole_logits = token_log_probs(F.linear(hidden, weight), labels, top_k=4)
+    torch.testing.assert_close(computed.log_probs, whole_logits.log_probs)
+    torch.testing.assert_close(computed.top_k_log_probs, whole_logits.top_k_log_probs)
+    with pytest.raises(ValueError, match=r"top_k=10: must be between 0 and the vocabulary size 9"):
+        chunked_token_log_probs(hidden, weight, None, labels, top_k=10, chunk_size=3)
+    with pytest.raises(ValueError, match=r"labels of 1 dimensions for logits of 3"):
+        token_log_probs(F.linear(hidden, weight), labels[0, 0])
 
 
 # -- through the models, packed and padded ---------------------------------------------------------

@@ -9,7 +9,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verl_core.config.engine import ModelConfig
-from verl_core.data import COMPUTE_ENTROPY, TEMPERATURE, responses_batch
+from verl_core.data import (
+    CANDIDATE_IDS,
+    CANDIDATE_LOG_PROBS,
+    COMPUTE_ENTROPY,
+    TEMPERATURE,
+    TOP_K,
+    TOP_K_IDS,
+    TOP_K_LOG_PROBS,
+    responses_batch,
+)
+from verl_core.engine import top_k_option
 from verl_core.testing import collate, make_samples, response_token_mask, save_tiny_models
 from verl_core.testing.tiny import VOCAB_SIZE
 from verl_core.toolkit import forward_micro_batch, load_hf_model, pack_sequences
@@ -184,3 +194,124 @@ def test_shared_prompts_give_the_unshared_log_probs_and_gradients(shared_and_pad
     # Each distinct prompt was packed once: the packed tokens are the responses plus one prompt per group.
     distinct = sum(int(prompt_tokens[groups == g][0]) for g in groups.unique())
     assert int(packed.mask.sum()) == int(mask.sum()) + distinct
+
+
+# -- top-k and candidate log-probs (GKD's teacher and student) --------------------------------------
+
+
+def plain_log_softmax(model, batch) -> torch.Tensor:
+    """``log_softmax(logits / T)`` ``[b, R, V]`` at the positions predicting each response token,
+    straight from the padded model: what the engine's top-k and candidate log-probs must equal."""
+    response_length = batch["responses"].shape[-1]
+    logits = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        use_cache=False,
+    ).logits[:, -response_length - 1 : -1]
+    return torch.log_softmax(logits / 0.7, dim=-1)
+
+
+#: (packing, logits_chunk_size): padded and packed (prompts shared), whole and 3 tokens a chunk.
+TOP_K_LAYOUTS = [(False, None), (True, None), (False, 3), (True, 3)]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=prompt_groups_batch(), k=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_top_k_and_candidate_log_probs_equal_the_plain_log_softmax(shared_and_padded, batch, k, seed) -> None:
+    """On every layout (padded or packed with shared prompts, whole or chunked logits): the top-k
+    log-probs are the tempered log-softmax's ``k`` largest, descending, at their ids; the candidates'
+    are the log-softmax at the given ids (duplicates included), and a loss on them has the plain
+    log-softmax's gradients (within 1e-5: float32 sums of up to six weighted candidates per token);
+    padding gives 0 (ids 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    mask = response_token_mask(batch)
+    real = batch["attention_mask"][:, -batch["responses"].shape[-1] :].bool()
+    candidates = torch.randint(0, VOCAB_SIZE, (*mask.shape, k), generator=generator)
+    weights = torch.randn(*mask.shape, k, generator=generator)
+    batch[CANDIDATE_IDS] = candidates
+    batch.set_non_tensor(TOP_K, k)
+
+    def loss_of(candidate_log_probs, log_probs):
+        return (weights * candidate_log_probs * mask[..., None]).sum() + (log_probs * mask).sum()
+
+    shared, padded = shared_and_padded
+    padded.zero_grad(set_to_none=True)
+    plain = plain_log_softmax(padded, batch)
+    loss_of(plain.gather(-1, candidates), plain.gather(-1, batch["responses"][..., None])[..., 0]).backward()
+    expected_grads = {name: p.grad.clone() for name, p in padded.named_parameters()}
+    plain = plain.detach()
+    expected_top = plain.topk(k, dim=-1).values
+    for packing, chunk_size in TOP_K_LAYOUTS:
+        model = shared if packing else padded
+        model.zero_grad(set_to_none=True)
+        outputs = forward_micro_batch(model, batch, "lm", packing=packing, logits_chunk_size=chunk_size)
+        layout = f"packing={packing}, logits_chunk_size={chunk_size}"
+        top, ids = outputs[TOP_K_LOG_PROBS], outputs[TOP_K_IDS]
+        assert ids.dtype == torch.int64 and not top.requires_grad, layout
+        torch.testing.assert_close(top[real], expected_top[real], atol=1e-5, rtol=1e-5, msg=layout)
+        torch.testing.assert_close(top[real], plain.gather(-1, ids)[real], atol=1e-5, rtol=1e-5, msg=layout)
+        assert (top[..., :-1] >= top[..., 1:]).all(), layout
+        assert (ids[real].sort(dim=-1).values.diff(dim=-1) > 0).all(), layout  # k distinct tokens
+        expected_candidates = plain.gather(-1, candidates)
+        candidate_log_probs = outputs[CANDIDATE_LOG_PROBS]
+        torch.testing.assert_close(
+            candidate_log_probs[real], expected_candidates[real], atol=1e-5, rtol=1e-5, msg=layout
+        )
+        for name in (TOP_K_LOG_PROBS, TOP_K_IDS, CANDIDATE_LOG_PROBS):
+            assert (outputs[name][~real] == 0).all(), (layout, name)
+        loss_of(candidate_log_probs, outputs["log_probs"]).backward()
+        for name, parameter in model.named_parameters():
+            torch.testing.assert_close(
+                parameter.grad,
+                expected_grads[name],
+                atol=1e-5,
+                rtol=1e-5,
+                msg=lambda m, where=f"{layout}: {name}": f"{where}: {m}",
+            )
+
+
+def test_the_top_k_comparison_catches_ascending_ids_and_a_shifted_candidate(dirs) -> None:
+    """The comparisons above fail on outputs that are wrong the two likeliest ways: the top-k in
+    ascending order, and the candidates' log-probs read one position late."""
+    model = load_hf_model(ModelConfig(path=dirs.lm), "lm", packing=False).eval()
+    batch = batch_of(3)
+    real = batch["attention_mask"][:, -batch["responses"].shape[-1] :].bool()
+    batch[CANDIDATE_IDS] = torch.randint(
+        0, VOCAB_SIZE, (*real.shape, 4), generator=torch.Generator().manual_seed(0)
+    )
+    batch.set_non_tensor(TOP_K, 4)
+    with torch.no_grad():
+        outputs = forward_micro_batch(model, batch, "lm")
+        plain = plain_log_softmax(model, batch)
+    top = outputs[TOP_K_LOG_PROBS]
+    assert torch.allclose(top[real], plain.topk(4, dim=-1).values[real], atol=1e-5)
+    assert not torch.allclose(top.flip(-1)[real], plain.topk(4, dim=-1).values[real], atol=1e-5)
+    shifted = plain.roll(1, dims=1).gather(-1, batch[CANDIDATE_IDS])
+    assert torch.allclose(
+        outputs[CANDIDATE_LOG_PROBS][real], plain.gather(-1, batch[CANDIDATE_IDS])[real], atol=1e-5
+    )
+    assert not torch.allclose(outputs[CANDIDATE_LOG_PROBS][real], shifted[real], atol=1e-5)
+
+
+def test_a_forward_pass_without_top_k_or_candidates_returns_neither(dirs) -> None:
+    model = load_hf_model(ModelConfig(path=dirs.lm), "lm", packing=True).eval()
+    with torch.no_grad():
+        outputs = forward_micro_batch(model, batch_of(3), "lm", packing=True)
+    assert set(outputs) == {"log_probs", "entropy"}
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, 0), (0, 0), (5, 5), (torch.tensor(3), 3)])
+def test_the_top_k_option_is_read_with_its_default(value, expected) -> None:
+    batch = batch_of(3)
+    if value is not None:
+        batch.set_non_tensor(TOP_K, value)
+    assert top_k_option(batch) == expected
+
+
+@pytest.mark.parametrize("value", [-1, 2.0, True, "4", torch.tensor(1.5)])
+def test_a_top_k_that_is_not_a_count_is_refused_naming_the_key(value) -> None:
+    batch = batch_of(3)
+    batch.set_non_tensor(TOP_K, value)
+    with pytest.raises(ValueError, match=r"the batch's 'top_k' is .*: it must be an int >= 0"):
+        top_k_option(batch)

@@ -196,6 +196,13 @@ class EngineBackend:
     with the unshared results (the kit's ``shared_prompts`` check); engines built on ``HFEngine`` get
     it from the toolkit. Runs then share prompts by default (``micro_batch.share_prompts``); without
     it ``share_prompts: true`` is refused.
+    ``top_k_log_probs=True`` states that an ``lm`` forward pass honours the batch's ``TOP_K`` (also
+    return the ``k`` likeliest tokens at each response position, their log-probs descending) and
+    ``CANDIDATE_IDS`` (also return the log-probs of given tokens, with gradients): what a teacher
+    and a student of on-policy distillation need (the kit's ``top_k_log_probs`` check). Engines built
+    on ``HFEngine`` get it from the toolkit; megatron does not declare it (its vocabulary is split
+    over the tensor-parallel ranks, where a top-k and a gather at given ids need collectives of their
+    own). Without it, nothing may ask the engine for them.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -212,6 +219,7 @@ class EngineBackend:
     override: bool = False
     lora: bool = False
     shared_prompts: bool = False
+    top_k_log_probs: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.api_version is None:

@@ -232,8 +232,9 @@ def concat_batches(batches: list[TensorDict], pad_token_id: int = 0) -> TensorDi
     prompts left-padded and responses right-padded to the widest, ``position_ids`` recomputed.
 
     ``[B, P + R]`` keys pad their prompt part on the left and response part on the right; other 2-D
-    tensors are ``[B, R]`` and pad on the right; 1-D tensors (per-sample values) concatenate as they
-    are. ``input_ids`` pad with ``pad_token_id``, everything else with 0. One batch comes back as a
+    tensors are ``[B, R]`` and pad on the right, as do those with more dimensions ``[B, R, ...]``
+    (``TEACHER_TOP_K_IDS``, say: more per response token); 1-D tensors (per-sample values) concatenate
+    as they are. ``input_ids`` pad with ``pad_token_id``, everything else with 0. One batch comes back as a
     shallow copy of itself (its tensors shared, not copied).
     """
     if not batches:
@@ -250,8 +251,9 @@ def concat_batches(batches: list[TensorDict], pad_token_id: int = 0) -> TensorDi
             fill = pad_token_id if key in (INPUT_IDS, RESPONSES) else 0
             if key in SEQUENCE_KEYS:
                 value = torch.nn.functional.pad(value, (prompt_width - p, response_width - r), value=fill)
-            elif value.dim() == 2:
-                value = torch.nn.functional.pad(value, (0, response_width - r), value=fill)
+            elif value.dim() >= 2:  # [B, R, ...]: pad dimension 1 on the right
+                trailing = (0, 0) * (value.dim() - 2)
+                value = torch.nn.functional.pad(value, (*trailing, 0, response_width - r), value=fill)
             items[key] = value
         padded.append(TensorDict(items, batch_size=batch.batch_size[:1]))
     merged = torch.cat(padded, dim=0)

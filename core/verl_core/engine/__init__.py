@@ -1,9 +1,9 @@
 """The engine contract: what every backend implements and what is built on it (docs/engine.md).
 
 ``BaseEngine`` (``base``: the methods, the loss contract ``LossFn``, ``ForwardBackwardResult``,
-``forward_options``), ``build_engine`` (``factory``: a backend looked up through the plugins and
-checked), ``Topology`` and ``check_topologies`` (``topology``: the layout a model-parallel engine
-reports), ``run_micro_batches`` (``loop``: the micro-batch loop every backend runs the loss contract
+``forward_options``, ``top_k_option``), ``build_engine`` (``factory``: a backend looked up through the
+plugins and checked), ``Topology`` and ``check_topologies`` (``topology``: the layout a model-parallel
+engine reports), ``run_micro_batches`` (``loop``: the micro-batch loop every backend runs the loss contract
 with) and ``resolve_device`` (``device``: ``config.device`` as a ``torch.device``). What backends are
 built from (``HFEngine``, models, checkpoints, LoRA, the optimiser) is ``verl_core.toolkit``.
 
@@ -20,6 +20,7 @@ _EXPORTS = {
     "ForwardBackwardResult": "verl_core.engine.base",
     "LossFn": "verl_core.engine.base",
     "forward_options": "verl_core.engine.base",
+    "top_k_option": "verl_core.engine.base",
     "build_engine": "verl_core.engine.factory",
     "run_micro_batches": "verl_core.engine.loop",
     "Topology": "verl_core.engine.topology",

@@ -50,6 +50,20 @@ def forward_options(batch: TensorDict) -> tuple[float, bool]:
     return float(read(batch_keys.TEMPERATURE, 1.0)), bool(read(batch_keys.COMPUTE_ENTROPY, False))
 
 
+def top_k_option(batch: TensorDict) -> int:
+    """The batch's ``top_k`` (default 0: none), as a backend declaring ``top_k_log_probs`` reads it:
+    with ``k > 0`` an ``lm`` forward pass also returns ``top_k_log_probs`` and ``top_k_ids``."""
+    value = batch.get_non_tensor(batch_keys.TOP_K, 0)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"the batch's {batch_keys.TOP_K!r} is {value!r}: it must be an int >= 0 (0: no top-k), "
+            f"set with batch.set_non_tensor({batch_keys.TOP_K!r}, k)"
+        )
+    return value
+
+
 @attrs.define
 class ForwardBackwardResult:
     """What ``forward_backward_batch`` returns on each rank.

@@ -31,6 +31,8 @@ _EXPORTS = {
     "load_hf_model": "verl_core.toolkit.model",
     "check_model_dir": "verl_core.toolkit.model",
     "forward_micro_batch": "verl_core.toolkit.forward",
+    "lm_head_outputs": "verl_core.toolkit.forward",
+    "scatter_positions": "verl_core.toolkit.forward",
     "plain_head_model": "verl_core.toolkit.forward",
     "PLAIN_HEAD_MODEL_TYPES": "verl_core.toolkit.forward",
     "export_hf_model": "verl_core.toolkit.export",
@@ -41,6 +43,9 @@ _EXPORTS = {
     "entropy_from_logits": "verl_core.toolkit.logprob",
     "log_probs_and_entropy": "verl_core.toolkit.logprob",
     "chunked_log_probs_and_entropy": "verl_core.toolkit.logprob",
+    "token_log_probs": "verl_core.toolkit.logprob",
+    "chunked_token_log_probs": "verl_core.toolkit.logprob",
+    "TokenLogProbs": "verl_core.toolkit.logprob",
     # the optimiser and offload
     "TorchOptimizerSteps": "verl_core.toolkit.optim",
     "build_optimizer": "verl_core.toolkit.optim",

@@ -11,9 +11,16 @@ what runs out of memory first. Its backward (a custom ``torch.autograd.Function`
 kept only the inputs and each token's ``logsumexp`` and entropy) recomputes one chunk's logits at a
 time and writes their gradient in closed form, rather than autograd replaying and differentiating
 every elementwise op of the chunk.
+
+``token_log_probs`` and ``chunked_token_log_probs`` compute the same and more: labels may carry a
+trailing dimension (several tokens per position, such as the sampled token and a teacher's top-k,
+gathered in one pass that shares one ``logsumexp``), and ``top_k`` also returns the likeliest tokens
+of each position (their log-probs descending, with no gradient).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +44,7 @@ def log_probs_and_entropy(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, compute_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``labels`` and (when ``compute_entropy``) the entropy, sharing one ``logsumexp``."""
-    log_probs, entropy, _ = _log_probs_entropy_and_normaliser(logits, labels, temperature, compute_entropy)
+    log_probs, entropy, _, _ = token_log_probs(logits, labels, temperature, compute_entropy=compute_entropy)
     return log_probs, entropy
 
 
@@ -51,60 +58,132 @@ def chunked_log_probs_and_entropy(
     chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log_probs_and_entropy(hidden @ weight.T + bias, labels, ...)`` over ``chunk_size`` tokens at
-    a time: hidden ``[..., H]``, weight ``[V, H]``, labels ``[...]``; outputs shaped like ``labels``.
+    a time: hidden ``[..., H]``, weight ``[V, H]``, labels ``[...]``; outputs shaped like ``labels``
+    (``chunked_token_log_probs`` says how)."""
+    log_probs, entropy, _, _ = chunked_token_log_probs(
+        hidden, weight, bias, labels, temperature, compute_entropy=compute_entropy, chunk_size=chunk_size
+    )
+    return log_probs, entropy
+
+
+class TokenLogProbs(NamedTuple):
+    """What ``token_log_probs`` and ``chunked_token_log_probs`` compute at each position: the log-probs
+    of its labels (shaped like them), the entropy (or None), and its ``top_k`` likeliest tokens'
+    log-probs, descending, with their ids (``[..., k]``, or None without ``top_k``)."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    top_k_log_probs: torch.Tensor | None = None
+    top_k_ids: torch.Tensor | None = None
+
+
+def token_log_probs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    compute_entropy: bool = False,
+    top_k: int = 0,
+) -> TokenLogProbs:
+    """Log-probs of ``labels`` under ``softmax(logits / temperature)``, the entropy when
+    ``compute_entropy`` and the ``top_k`` likeliest tokens, all from one ``logsumexp``: logits
+    ``[..., V]``, labels ``[...]`` (one token per position) or ``[..., m]`` (``m`` tokens per position,
+    gathered at once: log-probs ``[..., m]``). The top-k log-probs carry no gradient."""
+    several = _several_labels(labels, logits.dim())
+    log_probs, entropy, _, top_log_probs, top_ids = _head_outputs(
+        logits, labels if several else labels.unsqueeze(-1), temperature, compute_entropy, top_k
+    )
+    return TokenLogProbs(log_probs if several else log_probs.squeeze(-1), entropy, top_log_probs, top_ids)
+
+
+def chunked_token_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    top_k: int = 0,
+    compute_entropy: bool = False,
+    chunk_size: int = 1024,
+) -> TokenLogProbs:
+    """``token_log_probs(hidden @ weight.T + bias, labels, ...)`` over ``chunk_size`` tokens at a time:
+    hidden ``[..., H]``, weight ``[V, H]``, labels ``[...]`` or ``[..., m]``.
 
     With gradients on and more than one chunk, the chunks run in one ``torch.autograd.Function``
     whose forward keeps no graph, only its inputs and two floats per token (the ``logsumexp`` and the
     entropy): autograd would otherwise keep every chunk's probabilities for backward, the whole
     ``[tokens, V]`` again. Its backward recomputes one chunk's logits at a time (one head matmul) and
     writes their gradient in closed form from the softmax ``p`` of the tempered logits ``z``:
-    ``d log p_label / dz = onehot - p`` and ``dH / dz = -p (log p + H)``. A single chunk runs directly
-    under plain autograd (nothing to bound, nothing to recompute).
+    ``d log p_label / dz = onehot - p`` (summed over a position's labels) and
+    ``dH / dz = -p (log p + H)``. A single chunk runs directly under plain autograd (nothing to bound,
+    nothing to recompute).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size={chunk_size}: must be >= 1")
+    positions = hidden.shape[:-1]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    flat_labels = labels.reshape(-1)
-    tokens = flat_labels.shape[0]
-    if tokens <= chunk_size:
-        log_probs, entropy = log_probs_and_entropy(
-            F.linear(flat_hidden, weight, bias), flat_labels, temperature, compute_entropy
+    flat_labels = labels.reshape(flat_hidden.shape[0], -1)
+    _several_labels(labels, hidden.dim())
+    if flat_labels.shape[0] <= chunk_size:
+        outputs = _head_outputs(
+            F.linear(flat_hidden, weight, bias), flat_labels, temperature, compute_entropy, top_k
         )
     elif torch.is_grad_enabled() and any(
         tensor is not None and tensor.requires_grad for tensor in (hidden, weight, bias)
     ):
-        log_probs, entropy = _ChunkedHeadLogProbs.apply(
-            flat_hidden, weight, bias, flat_labels, temperature, compute_entropy, chunk_size
+        outputs = _ChunkedHeadLogProbs.apply(
+            flat_hidden, weight, bias, flat_labels, temperature, compute_entropy, top_k, chunk_size
         )
     else:
-        log_probs, entropy, _ = _chunked_forward(
-            flat_hidden, weight, bias, flat_labels, temperature, compute_entropy, chunk_size
+        outputs = _chunked_forward(
+            flat_hidden, weight, bias, flat_labels, temperature, compute_entropy, top_k, chunk_size
         )
-    return log_probs.reshape(labels.shape), None if entropy is None else entropy.reshape(labels.shape)
+    log_probs, entropy, _, top_log_probs, top_ids = outputs
+    return TokenLogProbs(
+        log_probs.reshape(labels.shape),
+        None if entropy is None else entropy.reshape(positions),
+        *(None if top is None else top.reshape(*positions, top_k) for top in (top_log_probs, top_ids)),
+    )
+
+
+def _several_labels(labels: torch.Tensor, logits_dim: int) -> bool:
+    """Whether ``labels`` carry several tokens per position (a trailing dimension) for logits or hidden
+    states of ``logits_dim`` dimensions; anything else is refused."""
+    if labels.dim() not in (logits_dim - 1, logits_dim):
+        raise ValueError(
+            f"labels of {labels.dim()} dimensions for logits of {logits_dim}: expected one label per "
+            f"position ({logits_dim - 1} dimensions) or several ({logits_dim}, the last one the labels)"
+        )
+    return labels.dim() == logits_dim
 
 
 class _ChunkedHeadLogProbs(torch.autograd.Function):
-    """``chunked_log_probs_and_entropy`` on flat ``[tokens, H]`` hidden states, with a backward that
-    holds one chunk's ``[chunk, V]`` tensors at a time and differentiates the softmax in closed form
-    (not op by op, as autograd would on a recomputed graph)."""
+    """``chunked_token_log_probs`` on flat ``[tokens, H]`` hidden states and ``[tokens, m]`` labels,
+    with a backward that holds one chunk's ``[chunk, V]`` tensors at a time and differentiates the
+    softmax in closed form (not op by op, as autograd would on a recomputed graph). Its outputs are
+    ``_head_outputs``'; the top-k ones take no gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, compute_entropy, chunk_size):
-        log_probs, entropy, log_normaliser = _chunked_forward(
-            hidden, weight, bias, labels, temperature, compute_entropy, chunk_size
+    def forward(ctx, hidden, weight, bias, labels, temperature, compute_entropy, top_k, chunk_size):
+        log_probs, entropy, log_normaliser, top_log_probs, top_ids = _chunked_forward(
+            hidden, weight, bias, labels, temperature, compute_entropy, top_k, chunk_size
         )
         ctx.save_for_backward(hidden, weight, bias, labels, log_normaliser, entropy)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.set_materialize_grads(False)  # an output the loss does not use gets None: its term is skipped
-        return log_probs, entropy
+        ctx.mark_non_differentiable(
+            log_normaliser, *(top for top in (top_log_probs, top_ids) if top is not None)
+        )
+        return log_probs, entropy, log_normaliser, top_log_probs, top_ids
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_log_probs, grad_entropy):
+    def backward(ctx, grad_log_probs, grad_entropy, _grad_log_normaliser, _grad_top_log_probs, _grad_top_ids):
         hidden, weight, bias, labels, log_normaliser, entropy = ctx.saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         if grad_log_probs is None and grad_entropy is None:
-            return (None,) * 7
+            return (None,) * 8
         # grad_W (and grad_b) sum one product per chunk: for float16/bfloat16 heads they add up in
         # float32, rounded once at the end, as one whole matmul (float32-accumulated) would round;
         # summing in the head's dtype would round every partial sum. The cost: one float32
@@ -139,7 +218,7 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _chunked_forward(
@@ -149,24 +228,24 @@ def _chunked_forward(
     labels: torch.Tensor,
     temperature: float,
     compute_entropy: bool,
+    top_k: int,
     chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Log-probs, entropy (or None) and ``logsumexp`` of the tempered logits, ``chunk_size`` rows
-    of flat ``hidden`` at a time. The logits are in the head's dtype, as ``nn.Linear`` computes them;
-    ``_tempered`` upcasts."""
+) -> _HeadOutputs:
+    """``_head_outputs`` of the logits of flat ``hidden``, ``chunk_size`` rows at a time. The logits
+    are in the head's dtype, as ``nn.Linear`` computes them; ``_tempered`` upcasts."""
     chunks = [
-        _log_probs_entropy_and_normaliser(
+        _head_outputs(
             F.linear(hidden[start : start + chunk_size], weight, bias),
             labels[start : start + chunk_size],
             temperature,
             compute_entropy,
+            top_k,
         )
         for start in range(0, labels.shape[0], chunk_size)
     ]
-    log_probs, entropy, log_normaliser = (
-        None if parts[0] is None else torch.cat(parts) for parts in zip(*chunks, strict=True)
+    return _HeadOutputs(
+        *(None if parts[0] is None else torch.cat(parts) for parts in zip(*chunks, strict=True))
     )
-    return log_probs, entropy, log_normaliser
 
 
 def _grad_logits(
@@ -180,12 +259,14 @@ def _grad_logits(
 ) -> torch.Tensor:
     """The gradient of ``sum(grad_log_probs * log_probs + grad_entropy * entropy)`` w.r.t. one
     chunk's ``logits`` ``[chunk, V]``, in the logits' dtype; either weight may be None (not used).
+    ``labels`` and ``grad_log_probs`` are ``[chunk, m]``: ``m`` labels per token.
 
     With ``z = logits / temperature``, ``p = softmax(z)``: ``d log p_label / dz = onehot - p`` and
-    ``dH / dz = -p (log p + H)``, so ``dz = -p (g_lp + g_H (log p + H)) + g_lp onehot`` and
-    ``dlogits = dz / temperature``. Computed in float32 (or the logits' dtype, if wider) like the
-    forward, in five passes over the chunk (the per-token weights folded into ``[chunk, 1]`` factors),
-    in place: at most three ``[chunk, V]`` tensors at once.
+    ``dH / dz = -p (log p + H)``, so with ``g = sum_j g_lp_j`` over a token's labels
+    ``dz = -p (g + g_H (log p + H)) + sum_j g_lp_j onehot_j`` and ``dlogits = dz / temperature``.
+    Computed in float32 (or the logits' dtype, if wider) like the forward, in five passes over the
+    chunk (the per-token weights folded into ``[chunk, 1]`` factors), in place: at most three
+    ``[chunk, V]`` tensors at once.
     """
     dtype = logits.dtype
     # log p = logits / T - logsumexp in one pass, which also upcasts low-precision logits.
@@ -193,31 +274,52 @@ def _grad_logits(
     del logits
     grad = log_p.exp()
     scale = -1.0 / temperature  # the sign and the temperature go into [chunk, 1] weights
+    labels_weight = None if grad_log_probs is None else scale * grad_log_probs.sum(-1, keepdim=True)
     if grad_entropy is None:
         del log_p
-        grad.mul_((scale * grad_log_probs).unsqueeze(-1))
+        grad.mul_(labels_weight)
     else:
-        # -(g_lp + g_H (log p + H)) / T = a log p + c, with a = -g_H / T, c = -(g_lp + g_H H) / T
+        # -(g + g_H (log p + H)) / T = a log p + c, with a = -g_H / T, c = -(g + g_H H) / T
         slope = (scale * grad_entropy).unsqueeze(-1)
         offset = slope * entropy.unsqueeze(-1)
-        if grad_log_probs is not None:
-            offset += (scale * grad_log_probs).unsqueeze(-1)
+        if labels_weight is not None:
+            offset += labels_weight
         grad.mul_(log_p.mul_(slope).add_(offset))
         del log_p
     if grad_log_probs is not None:
-        grad.scatter_add_(-1, labels.long().unsqueeze(-1), (grad_log_probs / temperature).unsqueeze(-1))
+        grad.scatter_add_(-1, labels.long(), (grad_log_probs / temperature).to(grad.dtype))
     return grad.to(dtype)
 
 
-def _log_probs_entropy_and_normaliser(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float, compute_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+class _HeadOutputs(NamedTuple):
+    """``_head_outputs``' results: ``TokenLogProbs`` on ``[..., m]`` labels, and the ``logsumexp`` of
+    each position's tempered logits (what the chunked backward recomputes the softmax from)."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None
+    log_normaliser: torch.Tensor
+    top_k_log_probs: torch.Tensor | None
+    top_k_ids: torch.Tensor | None
+
+
+def _head_outputs(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, compute_entropy: bool, top_k: int
+) -> _HeadOutputs:
+    """Log-probs of ``labels`` ``[..., m]`` (``[..., m]``), the entropy when ``compute_entropy``, the
+    ``logsumexp`` of the tempered logits and, with ``top_k``, the likeliest tokens' log-probs
+    (descending, detached) and ids ``[..., top_k]``."""
+    if top_k < 0 or top_k > logits.shape[-1]:
+        raise ValueError(f"top_k={top_k}: must be between 0 and the vocabulary size {logits.shape[-1]}")
     scaled = _tempered(logits, temperature)
     log_normaliser = torch.logsumexp(scaled, dim=-1)
-    label_logits = scaled.gather(-1, labels.unsqueeze(-1).long()).squeeze(-1)
-    log_probs = label_logits - log_normaliser
+    log_probs = scaled.gather(-1, labels.long()) - log_normaliser.unsqueeze(-1)
     entropy = _entropy(scaled, log_normaliser) if compute_entropy else None
-    return log_probs, entropy, log_normaliser
+    top_log_probs = top_ids = None
+    if top_k:
+        with torch.no_grad():
+            top_scaled, top_ids = scaled.topk(top_k, dim=-1)
+            top_log_probs = top_scaled - log_normaliser.unsqueeze(-1)
+    return _HeadOutputs(log_probs, entropy, log_normaliser, top_log_probs, top_ids)
 
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)

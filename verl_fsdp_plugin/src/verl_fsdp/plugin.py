@@ -21,6 +21,7 @@ def verl_engine_backends() -> list[EngineBackend]:
             api_version=1,  # the engine API this engine implements: a core speaking another refuses it
             lora=True,  # HFEngine's LoRA (docs/lora.md)
             shared_prompts=True,  # HFEngine's packed micro-batches (docs/engine.md)
+            top_k_log_probs=True,  # HFEngine's top-k and candidate log-probs (docs/engine.md)
             description="PyTorch FSDP2 (fully_shard): sharded parameters, gradients and optimiser state",
         )
     ]

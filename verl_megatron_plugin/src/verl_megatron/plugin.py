@@ -20,6 +20,8 @@ def verl_engine_backends() -> list[EngineBackend]:
             roles=("lm", "value"),
             devices=("cpu", "cuda"),
             api_version=1,  # the engine API this engine implements: a core speaking another refuses it
+            # No top_k_log_probs: the vocabulary is split over the tensor-parallel ranks, so a top-k
+            # and log-probs at given ids would need collectives of their own (docs/engine.md).
             description="megatron-core GPTModel: tensor, pipeline (virtual stages) and data parallelism, "
             "Llama and Qwen2 families",
         )

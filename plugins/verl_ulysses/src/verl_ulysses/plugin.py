@@ -24,6 +24,8 @@ def verl_engine_backends() -> list[EngineBackend]:
             # Prompts shared at sp 1 (HFEngine's packing); at sp > 1 each sample's sequence is split over
             # the sp ranks, and every sample packs its own prompt.
             shared_prompts=True,
+            # Top-k and candidate log-probs from core's toolkit, at sp > 1 too (each SP rank's tokens).
+            top_k_log_probs=True,
             description="VeOmni-style: FSDP2 over a (dp_shard, sp) mesh with Ulysses sequence parallelism, "
             "meta-device init from rank 0, DCP checkpoints",
         )

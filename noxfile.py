@@ -213,15 +213,79 @@ def demo(session: nox.Session) -> None:
     session.run(
         "verl-core", "train", "examples/grpo.yaml", f"actor.engine.model.path={DEMO_SFT / 'hf_model'}"
     )
-    records = [json.loads(line) for line in (REPO / DEMO_GRPO / "metrics.jsonl").read_text().splitlines()]
-    scores = [(r["step"], r["val/score/mean"]) for r in records if r.get("val/score/mean") is not None]
-    (first_step, before), (last_step, after) = scores[0], scores[-1]
+    (first_step, before), *_, (last_step, after) = _validation_scores(DEMO_GRPO)
     session.log(
         f"validation score (mean@4 of the digits reward): {before:.3f} at step {first_step}, {after:.3f} at "
         f"step {last_step}; curves: {DEMO_GRPO / 'curves.png'}"
     )
     if after <= before:
         session.error("the validation score did not rise during GRPO")
+
+
+def _validation_scores(run_dir: Path) -> list[tuple[int, float]]:
+    """A run's validation scores (mean of the reward function), as ``(step, score)`` in step order."""
+    records = [json.loads(line) for line in (REPO / run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["val/score/mean"]) for r in records if r.get("val/score/mean") is not None]
+
+
+#: The distillation demo's folder (docs/distillation.md): assets, the two SFT runs, the three trainings.
+DISTILL_DEMO = Path("runs/distill_demo")
+#: The teacher: a larger demo model (the same character tokenizer), SFT-trained for this many steps.
+DISTILL_TEACHER = ("--hidden-size", "128", "--intermediate-size", "256", "--num-layers", "4", "--seed", "1")
+DISTILL_TEACHER_SFT_STEPS = 400
+#: The student's three trainings, same student and budget (examples/grpo.yaml's): the overrides of each.
+DISTILL_RUNS = {
+    "grpo": ["examples/grpo.yaml"],
+    "distill": ["examples/distill.yaml"],
+    "mixed": ["examples/distill.yaml", "distillation.task_reward_coef=1.0"],
+}
+
+
+@nox.session(python=PYTHON)
+def distill_demo(session: nox.Session) -> None:
+    """On-policy distillation against GRPO alone (docs/distillation.md): a larger demo model SFT-trained
+    to a high score is the teacher, the demo's SFT-warmed model the student, trained three ways with the
+    same budget (GRPO alone, distillation alone, both signals mixed); prints each one's validation scores
+    and draws them side by side (``verl-core plot ... --out``). Starts fresh each time."""
+    _install_editable(session)
+    shutil.rmtree(REPO / DISTILL_DEMO, ignore_errors=True)
+    assets, teacher_assets = DISTILL_DEMO / "assets", DISTILL_DEMO / "teacher_assets"
+    session.run("python", "examples/demo/make_demo.py", str(assets))
+    session.run("python", "examples/demo/make_demo.py", str(teacher_assets), *DISTILL_TEACHER)
+    for name, model, steps in (
+        ("student_sft", assets, None),
+        ("teacher_sft", teacher_assets, DISTILL_TEACHER_SFT_STEPS),
+    ):
+        session.run(
+            "verl-core",
+            "sft",
+            "examples/demo/sft.yaml",
+            f"actor.engine.model.path={model / 'model'}",
+            f"data.train_files=[{model / 'data' / 'sft.jsonl'}]",
+            f"trainer.run_dir={DISTILL_DEMO / name}",
+            f"trainer.checkpoint_dir={DISTILL_DEMO / name / 'checkpoints'}",
+            *([f"trainer.total_training_steps={steps}"] if steps else []),
+        )
+    student = DISTILL_DEMO / "student_sft" / "hf_model"
+    for name, arguments in DISTILL_RUNS.items():
+        session.run(
+            "verl-core",
+            "train",
+            *arguments,
+            f"actor.engine.model.path={student}",
+            f"data.train_files=[{assets / 'data' / 'train.jsonl'}]",
+            f"data.val_files=[{assets / 'data' / 'val.jsonl'}]",
+            f"trainer.run_dir={DISTILL_DEMO / name}",
+            f"trainer.checkpoint_dir={DISTILL_DEMO / name / 'checkpoints'}",
+        )
+    comparison = DISTILL_DEMO / "comparison.png"
+    session.run(
+        "verl-core", "plot", *(str(DISTILL_DEMO / name) for name in DISTILL_RUNS), "--out", str(comparison)
+    )
+    for name in DISTILL_RUNS:
+        scores = ", ".join(f"{score:.3f}" for _, score in _validation_scores(DISTILL_DEMO / name))
+        session.log(f"{name}: validation score (mean@4 of the digits reward) per test_freq steps: {scores}")
+    session.log(f"comparison: {comparison}")
 
 
 #: The tools demo's folder (examples/tools_demo): assets, SFT run, GRPO run, comparisons.

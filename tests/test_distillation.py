@@ -10,16 +10,18 @@ import shutil
 
 import pytest
 import torch
-from fixtures.demo import run_overrides
+from fixtures.demo import build_teacher, plain_response_log_probs, run_overrides
 
 from verl_core.config import load_config
 from verl_core.data.batch import (
-    INPUT_IDS,
+    CANDIDATE_IDS,
     OLD_LOG_PROBS,
     RESPONSE_MASK,
     RESPONSES,
     SCORES,
     TEACHER_LOG_PROBS,
+    TEACHER_TOP_K_IDS,
+    TEACHER_TOP_K_LOG_PROBS,
     TOKEN_LEVEL_REWARDS,
 )
 from verl_core.errors import ConfigError
@@ -36,19 +38,10 @@ TEMPERATURE = 0.8
 def teachers(demo, tmp_path_factory):
     """Two teachers with the student's tokenizer (the demo model, its weights moved by seeded noise), and
     one with another vocabulary."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     root = tmp_path_factory.mktemp("teachers")
-    folders = {}
-    for name, seed in (("a", 1), ("b", 2)):
-        model = AutoModelForCausalLM.from_pretrained(demo.model)
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for parameter in model.parameters():
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.3)
-        folders[name] = root / name
-        model.save_pretrained(folders[name])
-        AutoTokenizer.from_pretrained(demo.model).save_pretrained(folders[name])
+    folders = {name: build_teacher(demo, root / name, seed) for name, seed in (("a", 1), ("b", 2))}
     folders["other_vocabulary"] = root / "other_vocabulary"
     shutil.copytree(folders["a"], folders["other_vocabulary"])
     tokenizer = AutoTokenizer.from_pretrained(demo.model)
@@ -80,21 +73,9 @@ def distilled_run(demo, tmp_path, **changes):
 
 
 def plain_log_probs(model_path, batch) -> torch.Tensor:
-    """The teacher's log-probs of the responses from a plain forward pass of its Hugging Face model,
-    the logits at column ``P + t - 1`` predicting response token ``t``, at the rollout's temperature."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
-    response_length = batch[RESPONSES].shape[1]
-    with torch.no_grad():
-        logits = model(
-            input_ids=batch[INPUT_IDS],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-        ).logits
-    predicting = logits[:, -response_length - 1 : -1] / TEMPERATURE
-    log_probs = predicting.log_softmax(-1).gather(-1, batch[RESPONSES].unsqueeze(-1)).squeeze(-1)
-    return log_probs * batch[RESPONSE_MASK]
+    """The teacher's log-probs of the responses from a plain forward pass of its Hugging Face model."""
+    every = plain_response_log_probs(model_path, batch, TEMPERATURE)
+    return every.gather(-1, batch[RESPONSES].unsqueeze(-1)).squeeze(-1) * batch[RESPONSE_MASK]
 
 
 def test_reverse_kl_rewards_are_the_teachers_log_probs_minus_the_students(demo, teachers, tmp_path):
@@ -198,3 +179,36 @@ def test_routing_needs_a_column_every_row_has_naming_a_teacher(demo, teachers, t
         demo, tmp_path, **two, **{"distillation.route_by": "teacher", "data.train_files": f"[{routed}]"}
     )
     assert "routes to 'c', which is not a teacher" in found["distillation.route_by"]
+
+
+def test_gkd_trains_on_the_teachers_top_k_and_reports_the_divergence(demo, teachers, tmp_path):
+    """The teacher's top-k against its plain forward pass; the update's divergence against GKD written
+    out from the student's and the teacher's plain forward passes (the update's forward is the first
+    optimiser step's: the student before it)."""
+    from test_algos_distillation import jsd_reference
+
+    k, beta = 4, 0.3
+    batch, metrics = distilled_run(
+        demo,
+        tmp_path,
+        **teacher_keys("a", teachers["a"], top_k=k),
+        **{"distillation.loss": "gkd", "distillation.beta": beta, "distillation.task_reward_coef": 0.0},
+    )
+    mask = batch[RESPONSE_MASK].bool()
+    values, ids = plain_response_log_probs(teachers["a"], batch, TEMPERATURE).topk(k, dim=-1)
+    assert torch.allclose(batch[TEACHER_TOP_K_LOG_PROBS][mask], values[mask], atol=1e-5)
+    assert torch.equal(batch[TEACHER_TOP_K_IDS][mask], ids[mask])
+    assert torch.equal(batch[CANDIDATE_IDS], batch[TEACHER_TOP_K_IDS])
+    assert torch.count_nonzero(batch[TOKEN_LEVEL_REWARDS]) == 0  # task_reward_coef 0: GKD alone
+    assert metrics["actor/grad_norm"] > 0  # which moves the student by itself
+    student_at_ids = plain_response_log_probs(demo.model, batch, TEMPERATURE).gather(-1, ids)
+    # The metric is each micro-batch's token mean (4 rows each, in batch order), averaged over them.
+    per_micro_batch = []
+    for rows in torch.arange(mask.shape[0]).split(4):
+        divergences = [
+            jsd_reference(student_at_ids[i, t].tolist(), values[i, t].tolist(), beta)
+            for i in rows.tolist()
+            for t in mask[i].nonzero().squeeze(-1).tolist()
+        ]
+        per_micro_batch.append(sum(divergences) / len(divergences))
+    assert metrics["distillation/jsd"] == pytest.approx(sum(per_micro_batch) / len(per_micro_batch), rel=1e-4)

@@ -29,6 +29,8 @@ def test_there_are_examples() -> None:
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda path: path.name)
 def test_example_builds_and_initialises_its_engines(example: Path, tiny) -> None:
     overrides = [f"actor.engine.model.path={tiny.lm}", "actor.engine.device=cpu"]
+    teachers = load_config([example], overrides).distillation.teachers
+    overrides += [f"distillation.teachers.{name}.engine.model.path={tiny.lm}" for name in teachers]
     loaded = load_config([example], overrides)
     config, _ = with_run_length(loaded, 64, updates_per_step(loaded))  # as the trainer fills it
     engines = {"actor.engine": ("lm", config.actor.engine)}
@@ -38,6 +40,8 @@ def test_example_builds_and_initialises_its_engines(example: Path, tiny) -> None
         critic = load_config([example], [*overrides, f"critic.engine.model.path={tiny.lm}"])
         critic = with_run_length(critic, 64, updates_per_step(critic))[0].critic.engine
         engines["critic.engine"] = ("value", critic)
+    for name, teacher in config.distillation.teachers.items():
+        engines[f"distillation.teachers.{name}.engine"] = ("lm", teacher.engine)
     for path, (role, engine_config) in engines.items():
         engine = build_engine(engine_config, role, config_path=path)
         engine.initialize()  # the optimiser, the schedule (total_steps from the run length), the model

@@ -11,10 +11,12 @@ import time
 
 import pytest
 import torch
-from fixtures.demo import run_overrides
+from fixtures.demo import build_teacher, plain_response_log_probs, run_overrides
 from fixtures.processes import stop_processes_mentioning
 
 from verl_core.config import load_config
+from verl_core.data.batch import RESPONSE_MASK, TEACHER_LOG_PROBS, TEACHER_TOP_K_IDS, TEACHER_TOP_K_LOG_PROBS
+from verl_core.trainer.distillation import TEACHER_INDEX
 from verl_core.trainer.rl import RLTrainer
 from verl_core.trainer.run_files import validation_samples_path
 from verl_core.workers.group import WorkerError
@@ -92,6 +94,54 @@ def test_ppo_with_a_critic_on_two_fsdp_ranks_under_ray(demo, tmp_path, ray_clust
     finally:
         trainer.shutdown()
     assert final["critic/vf_loss"] > 0 and final["critic/grad_norm"] > 0 and final["actor/grad_norm"] > 0
+
+
+def test_gkd_from_two_teachers_one_in_the_actors_ranks_one_on_its_own_under_ray(
+    demo, tmp_path, ray_cluster
+) -> None:
+    """Rows routed by a data column to a teacher in the fsdp actor's two ranks and to one on two ddp ranks
+    of its own: each row's top-k and log-probs are its teacher's plain forward pass."""
+    rows = [json.loads(line) for line in demo.train.read_text().splitlines()]
+    routed = tmp_path / "routed.jsonl"
+    routed.write_text(
+        "".join(json.dumps(row | {"teacher": "ab"[i % 2]}) + "\n" for i, row in enumerate(rows))
+    )
+    teachers = {name: build_teacher(demo, tmp_path / name, seed) for name, seed in (("a", 1), ("b", 2))}
+    temperature = 0.7
+    changes = {
+        "trainer.workers": "ray",
+        "trainer.world_size": 2,
+        "trainer.total_training_steps": 1,
+        "rollout.temperature": temperature,
+        "data.train_files": f"[{routed}]",
+        "distillation.loss": "gkd",
+        "distillation.route_by": "teacher",
+    }
+    for name, backend, placement in (("a", "fsdp", "colocated"), ("b", "ddp", "separate")):
+        changes |= {
+            f"distillation.teachers.{name}.engine": f"{{backend: {backend}, model: {{path: {teachers[name]}}}, device: cpu}}",
+            f"distillation.teachers.{name}.top_k": 3,
+            f"distillation.teachers.{name}.placement": placement,
+        }
+    trainer = RLTrainer.from_config(
+        load_config([], run_overrides(demo, tmp_path, backend="fsdp", **changes)), show_progress=False
+    )
+    try:
+        assert trainer.separate_teachers["b"].dp_size == 2
+        final = trainer.fit()
+    finally:
+        trainer.shutdown()
+    batch = trainer.last_batch
+    assert final["distillation/jsd"] > 0 and final["actor/grad_norm"] > 0
+    for index, name in enumerate("ab"):
+        mine = batch[batch[TEACHER_INDEX] == index]
+        mask = mine[RESPONSE_MASK].bool()
+        every = plain_response_log_probs(teachers[name], mine, temperature)
+        values, ids = every.topk(3, dim=-1)
+        sampled = every.gather(-1, mine["responses"].unsqueeze(-1)).squeeze(-1)
+        assert torch.allclose(mine[TEACHER_TOP_K_LOG_PROBS][mask], values[mask], atol=1e-5), name
+        assert torch.equal(mine[TEACHER_TOP_K_IDS][mask], ids[mask]), name
+        assert torch.allclose(mine[TEACHER_LOG_PROBS][mask], sampled[mask], atol=1e-5), name
 
 
 def test_an_unreachable_ray_address_is_an_error_within_seconds(monkeypatch) -> None:

@@ -44,6 +44,10 @@ _EXPORTS = {
     "rollout_importance_weights": _ROLLOUT_CORRECTION,
     "rollout_mismatch_metrics": _ROLLOUT_CORRECTION,
     "rollout_rejection_mask": _ROLLOUT_CORRECTION,
+    # on-policy distillation
+    "reverse_kl_rewards": "verl_core.algos.distillation",
+    "generalized_jsd": "verl_core.algos.distillation",
+    "gkd_loss": "verl_core.algos.distillation",
     # value loss
     "compute_value_loss": "verl_core.algos.value_loss",
     # KL

@@ -159,15 +159,16 @@ def check_top_k_log_probs(ctx: RankContext) -> Iterator[Comparison]:
     token budget with the LM head 3 tokens at a time."""
     if not ctx.registry.entry(Kind.ENGINE_BACKENDS, ctx.backend).descriptor.top_k_log_probs:
         raise CheckSkipped(f"backend '{ctx.backend}' does not declare EngineBackend(top_k_log_probs=True)")
+    packed = attrs.evolve(
+        BASE_MICRO_BATCH,
+        packing=True,
+        use_dynamic_bsz=True,
+        max_token_len=DYNAMIC_MAX_TOKEN_LEN,
+        logits_chunk_size=LOGITS_CHUNK_SIZE,
+    )
     splits = {
         "padded: ": BASE_MICRO_BATCH,
-        f"packed, max_token_len={DYNAMIC_MAX_TOKEN_LEN}, logits_chunk_size={LOGITS_CHUNK_SIZE}: ": attrs.evolve(
-            BASE_MICRO_BATCH,
-            packing=True,
-            use_dynamic_bsz=True,
-            max_token_len=DYNAMIC_MAX_TOKEN_LEN,
-            logits_chunk_size=LOGITS_CHUNK_SIZE,
-        ),
+        f"packed, max_token_len={DYNAMIC_MAX_TOKEN_LEN}, logits_chunk_size={LOGITS_CHUNK_SIZE}: ": packed,
     }
     for prefix, split in splits.items():
         engine = ctx.engine(micro_batch=split)
@@ -208,7 +209,8 @@ def compare_top_k(ctx: RankContext, outputs: Any, prefix: str) -> list[Compariso
                     f"{prefix}{TOP_K_IDS}",
                     ctx.rank,
                     False,
-                    f"{top_ids.dtype} {list(top_ids.shape)}, expected torch.int64 {[*mask.shape[:2], TOP_K_SIZE]}",
+                    f"{top_ids.dtype} {list(top_ids.shape)}, expected torch.int64 "
+                    f"{[*mask.shape[:2], TOP_K_SIZE]}",
                 )
             ]
         at_ids = log_softmax.gather(-1, top_ids.to("cpu").clamp(0, log_softmax.shape[-1] - 1))

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from fixtures.fake_dist import backends_plugin, fake_distributions
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,6 +35,8 @@ from verl_core.data.batch import (
     POSITION_IDS,
     RESPONSE_MASK,
     RESPONSES,
+    TOP_K_IDS,
+    TOP_K_LOG_PROBS,
     GlobalCounts,
     attach_global_counts,
     compute_global_counts,
@@ -180,15 +183,29 @@ class UnsyncedCheckpointEngine(DDPEngine):
                 save_rng_state(staging, 0)
 
 
-class CrossingPackingEngine(DDPEngine):
-    """Packs micro-batches as one sequence: attention then runs across the packed sequences (each
-    one sees the ones before it), while positions still restart per sequence."""
+class _PatchedForwardEngine(DDPEngine):
+    """Runs its forward passes with the function ``patched`` of the toolkit's forward module
+    (``verl_core.toolkit.forward``) replaced by ``self.replacement(original)``."""
+
+    patched = "pack_sequences"
 
     def forward_backward_batch(self, batch, loss_fn, forward_only):
         from verl_core.toolkit import forward as hf
 
-        original = hf.pack_sequences
+        original = getattr(hf, self.patched)
+        setattr(hf, self.patched, self.replacement(original))
+        try:
+            return super().forward_backward_batch(batch, loss_fn, forward_only)
+        finally:
+            setattr(hf, self.patched, original)
 
+
+class CrossingPackingEngine(_PatchedForwardEngine):
+    """Packs micro-batches as one sequence: attention then runs across the packed sequences (each
+    one sees the ones before it), while positions still restart per sequence."""
+
+    @staticmethod
+    def replacement(original):
         def crossing(attention_mask, response_length, groups=None):
             packed = original(attention_mask, response_length)  # every sample packs its own prompt
             tokens = packed.position_ids.shape[1]
@@ -200,27 +217,14 @@ class CrossingPackingEngine(DDPEngine):
                 cu_seq_lens=torch.tensor([0, tokens], dtype=torch.int32),
             )
 
-        hf.pack_sequences = crossing
-        try:
-            return super().forward_backward_batch(batch, loss_fn, forward_only)
-        finally:
-            hf.pack_sequences = original
+        return crossing
 
 
-class _SharedPackingEngine(DDPEngine):
+class _SharedPackingEngine(_PatchedForwardEngine):
     """Runs its forward passes with ``pack_sequences`` replaced by ``self.layout(original, ...)``."""
 
-    def forward_backward_batch(self, batch, loss_fn, forward_only):
-        from verl_core.toolkit import forward as hf
-
-        original = hf.pack_sequences
-        hf.pack_sequences = lambda mask, length, groups=None: self.layout(
-            original(mask, length, groups), mask, groups
-        )
-        try:
-            return super().forward_backward_batch(batch, loss_fn, forward_only)
-        finally:
-            hf.pack_sequences = original
+    def replacement(self, original):
+        return lambda mask, length, groups=None: self.layout(original(mask, length, groups), mask, groups)
 
 
 class SiblingAttendingEngine(_SharedPackingEngine):
@@ -259,27 +263,59 @@ class RestartingPositionsEngine(_SharedPackingEngine):
         return attrs.evolve(packed, position_ids=positions[None])
 
 
-class LastChunkDroppingEngine(DDPEngine):
+class LastChunkDroppingEngine(_PatchedForwardEngine):
     """Computes log-probs chunk by chunk but forgets the tokens after the last whole chunk (zeros)."""
 
-    def forward_backward_batch(self, batch, loss_fn, forward_only):
-        from verl_core.toolkit import forward as hf
+    patched = "chunked_token_log_probs"
 
-        original = hf.chunked_log_probs_and_entropy
-
-        def dropping(hidden, weight, bias, labels, temperature, compute_entropy, chunk_size):
-            log_probs, entropy = original(
-                hidden, weight, bias, labels, temperature, compute_entropy, chunk_size
+    @staticmethod
+    def replacement(original):
+        def dropping(hidden, weight, bias, labels, temperature, **options):
+            computed = original(hidden, weight, bias, labels, temperature, **options)
+            positions = hidden.shape[:-1]
+            kept = positions.numel() // options["chunk_size"] * options["chunk_size"]
+            keep = (torch.arange(positions.numel()) < kept).view(positions)
+            log_probs = computed.log_probs * keep.view(
+                labels.shape[: keep.dim()] + (1,) * (labels.dim() - keep.dim())
             )
-            kept = labels.numel() // chunk_size * chunk_size
-            keep = (torch.arange(labels.numel()) < kept).view(labels.shape)
-            return log_probs * keep, None if entropy is None else entropy * keep
+            entropy = None if computed.entropy is None else computed.entropy * keep
+            return computed._replace(log_probs=log_probs, entropy=entropy)
 
-        hf.chunked_log_probs_and_entropy = dropping
-        try:
-            return super().forward_backward_batch(batch, loss_fn, forward_only)
-        finally:
-            hf.chunked_log_probs_and_entropy = original
+        return dropping
+
+
+class AscendingTopKEngine(_PatchedForwardEngine):
+    """Returns the ``k`` likeliest tokens in ascending order of their log-probs (``topk(...,
+    largest=False)`` on the negated logits, say), least likely first."""
+
+    patched = "lm_head_outputs"
+
+    @staticmethod
+    def replacement(original):
+        def ascending(*args, **kwargs):
+            outputs = original(*args, **kwargs)
+            for name in (TOP_K_LOG_PROBS, TOP_K_IDS):
+                if name in outputs:
+                    outputs[name] = outputs[name].flip(-1)
+            return outputs
+
+        return ascending
+
+
+class SampledTokenCandidatesEngine(_PatchedForwardEngine):
+    """Gathers the candidates' log-probs at the sampled token: every candidate gets the log-prob of the
+    response token (a gather at ``labels`` where ``candidate_ids`` was meant)."""
+
+    patched = "lm_head_outputs"
+
+    @staticmethod
+    def replacement(original):
+        def at_the_sampled_token(micro_batch, labels, candidate_ids=None, **source):
+            if candidate_ids is not None:
+                candidate_ids = labels.unsqueeze(-1).expand_as(candidate_ids)
+            return original(micro_batch, labels, candidate_ids, **source)
+
+        return at_the_sampled_token
 
 
 class MicroBatchMeanEngine(DDPEngine):
@@ -413,6 +449,12 @@ BROKEN_SHARING_ENGINES = {
     "ddp-restarting-positions": RestartingPositionsEngine,
 }
 
+#: Broken engines that declare ``EngineBackend(top_k_log_probs=True)``.
+BROKEN_TOP_K_ENGINES = {
+    "ddp-ascending-top-k": AscendingTopKEngine,
+    "ddp-sampled-token-candidates": SampledTokenCandidatesEngine,
+}
+
 
 @hookimpl
 def verl_engine_backends() -> list[EngineBackend]:
@@ -425,8 +467,9 @@ def verl_engine_backends() -> list[EngineBackend]:
             devices=("cpu",),
             api_version=1,
             shared_prompts=name in BROKEN_SHARING_ENGINES,
+            top_k_log_probs=name in BROKEN_TOP_K_ENGINES,
         )
-        for name, engine in (BROKEN_ENGINES | BROKEN_SHARING_ENGINES).items()
+        for name, engine in (BROKEN_ENGINES | BROKEN_SHARING_ENGINES | BROKEN_TOP_K_ENGINES).items()
     ] + [
         EngineBackend(
             name="ddp-emulated-model-parallel",
@@ -435,6 +478,7 @@ def verl_engine_backends() -> list[EngineBackend]:
             roles=("lm", "value"),
             devices=("cpu",),
             api_version=1,
+            top_k_log_probs=True,  # its top-k outputs on the output ranks only
         )
     ]
 
@@ -455,10 +499,12 @@ BROKEN_RUNS = {
         "ddp-forgetful-scheduler": ("checkpoint", "lr_schedule"),
         "ddp-inner-optimizer-scheduler": ("lr_schedule", "first_step"),
         "ddp-lazy-offload": ("offload",),
-        "ddp-crossing-packing": ("packing", "log_probs", "shared_prompts"),
+        "ddp-crossing-packing": ("packing", "log_probs", "shared_prompts", "top_k_log_probs"),
         "ddp-sibling-attending": ("packing", "shared_prompts"),
         "ddp-restarting-positions": ("packing", "shared_prompts"),
         "ddp-last-chunk-dropping": ("logits_chunks", "log_probs"),
+        "ddp-ascending-top-k": ("top_k_log_probs", "log_probs"),
+        "ddp-sampled-token-candidates": ("top_k_log_probs", "log_probs"),
         "ddp-unfinished-port": ("log_probs", "hf_export", "weight_export"),
         "ddp-micro-batch-mean": ("micro_batch_invariance",),
     },
@@ -487,18 +533,26 @@ def run_jobs_in_turn(rank: Rank, jobs: tuple[ConformanceJob, ...]) -> None:
 def run_broken_engines(world_size: int, workdir) -> dict[str, ConformanceReport]:
     """``run_broken(backend, world_size, checks)`` for every engine of ``BROKEN_RUNS[world_size]``, in
     one spawn: each engine's report, as ``run_conformance`` would make it."""
+    return run_engines(BROKEN_RUNS[world_size], world_size, workdir, plugins=(THIS_PLUGIN,), autoload=False)
+
+
+def run_engines(
+    runs: dict[str, tuple[str, ...]], world_size: int, workdir, plugins=(), autoload: bool = True
+) -> dict[str, ConformanceReport]:
+    """``run_conformance(backend, world_size, plugins=plugins, autoload=autoload, checks=checks)`` for
+    every ``backend: checks`` of ``runs``, in one spawn: each backend's report."""
     jobs = tuple(
         ConformanceJob(
             backend,
             world_size,
             None,
-            (ModuleRef.of(THIS_PLUGIN),),
-            False,
+            tuple(ModuleRef.of(plugin) for plugin in plugins),
+            autoload,
             checks,
             "cpu",
             str(workdir / backend),
         )
-        for backend, checks in BROKEN_RUNS[world_size].items()
+        for backend, checks in runs.items()
     )
     for job in jobs:
         runner.resolve_backend(job)  # as run_conformance does: fail here, not in every rank
@@ -642,6 +696,117 @@ def test_a_chunked_log_prob_that_drops_the_last_partial_chunk_is_caught_by_the_c
     for layout in ("padded", "packed"):
         prefix = f"{layout}, logits_chunk_size=3: "
         assert prefix + "log_probs" in failing and prefix + "loss" in failing, report.summary()
+
+
+#: The two layouts of the top-k check, as its comparisons name them.
+TOP_K_LAYOUTS = ("padded: ", "packed, max_token_len=20, logits_chunk_size=3: ")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("backend", "wrong", "right"),
+    [
+        # Only the order is wrong: the candidates and the step on them are right.
+        (
+            "ddp-ascending-top-k",
+            ("top_k_log_probs", "reference log-probs at top_k_ids"),
+            ("candidate_log_probs", "loss"),
+        ),
+        # The candidates (and so the step) are wrong, the top-k right.
+        (
+            "ddp-sampled-token-candidates",
+            ("candidate_log_probs", "loss", "parameters after step 1 values"),
+            ("top_k_log_probs",),
+        ),
+    ],
+)
+def test_a_wrong_top_k_or_candidate_log_prob_is_caught_by_the_top_k_check(
+    broken_at_1, backend, wrong, right
+) -> None:
+    report = broken_at_1[backend]
+    assert report["log_probs"].passed, report.summary()
+    failing = failing_quantities(report, "top_k_log_probs")
+    for layout in TOP_K_LAYOUTS:
+        assert all(layout + quantity in failing for quantity in wrong), report.summary()
+        assert not any(layout + quantity in failing for quantity in right), failing
+
+
+@pytest.mark.distributed
+def test_the_top_k_check_skips_a_backend_that_does_not_declare_it(broken_at_1) -> None:
+    outcome = broken_at_1["ddp-crossing-packing"]["top_k_log_probs"]
+    assert outcome.status == "skipped", outcome.describe()
+    assert "does not declare EngineBackend(top_k_log_probs=True)" in outcome.describe()
+
+
+#: A third party's engines on core's toolkit, in a distribution of their own: one replica per rank.
+THIRD_PARTY_ENGINES = """
+    import attrs
+    import torch
+    from verl_core.toolkit import HFEngine, ReplicatedCheckpoint
+
+
+    @attrs.define
+    class AcmeConfig:
+        pass
+
+
+    class AcmeEngine(HFEngine):
+        options_class = AcmeConfig
+        checkpoint_format = ReplicatedCheckpoint("acme")
+
+        def wrap_model(self, module):
+            module.to(self.device)
+            if self.dp_size == 1:
+                return module
+            return torch.nn.parallel.DistributedDataParallel(module, process_group=self.dp_group)
+
+
+    class TokenOrderTopKEngine(AcmeEngine):
+        # Returns its top-k ordered by token id (a compact wire format), not by log-prob.
+        def forward_backward_batch(self, batch, loss_fn, forward_only):
+            result = super().forward_backward_batch(batch, loss_fn, forward_only)
+            if result.outputs is not None and "top_k_ids" in result.outputs.keys():
+                order = result.outputs["top_k_ids"].argsort(dim=-1)
+                for name in ("top_k_ids", "top_k_log_probs"):
+                    result.outputs[name] = result.outputs[name].gather(-1, order)
+            return result
+"""
+
+
+@pytest.fixture(scope="module")
+def third_party_top_k(tmp_path_factory) -> dict[str, ConformanceReport]:
+    """The top-k check on two engines of installed third-party distributions, found through their
+    entry points: a correct one and one whose top-k is in token order."""
+    tmp_path = tmp_path_factory.mktemp("third_party")
+    with fake_distributions(tmp_path) as dists:
+        for name, engine in (("acme", "AcmeEngine"), ("acme-token-order", "TokenOrderTopKEngine")):
+            plugin = backends_plugin(
+                name,
+                engine=f"acme_engines:{engine}",
+                config="acme_engines:AcmeConfig",
+                roles=("lm",),
+                devices=("cpu",),
+                top_k_log_probs=True,
+            )
+            modules = {"acme_engines": THIRD_PARTY_ENGINES} if name == "acme" else None
+            dists.add(f"{name}-engines", plugins={name: plugin}, requires=("verl-core",), modules=modules)
+        return run_engines(
+            {"acme": ("top_k_log_probs",), "acme-token-order": ("top_k_log_probs",)}, 1, tmp_path
+        )
+
+
+@pytest.mark.distributed
+def test_a_third_party_engine_declaring_top_k_passes_the_check_and_a_broken_one_fails(
+    third_party_top_k,
+) -> None:
+    good, broken = third_party_top_k["acme"], third_party_top_k["acme-token-order"]
+    assert good["top_k_log_probs"].passed, good.summary()
+    assert len(good["top_k_log_probs"].comparisons) == 20, good.summary()  # it ran: two layouts, ten each
+    failing = failing_quantities(broken, "top_k_log_probs")
+    assert "padded: top_k_log_probs" in failing and "padded: reference log-probs at top_k_ids" in failing, (
+        failing
+    )
+    assert "padded: candidate_log_probs" not in failing, failing
 
 
 @pytest.mark.distributed

@@ -17,10 +17,19 @@ from collections.abc import Iterator
 from typing import Any
 
 import attrs
+import torch
 import torch.distributed as dist
 
 from verl_core.config.engine import MicroBatchConfig
-from verl_core.data.batch import ENTROPY, LOG_PROBS, VALUES
+from verl_core.data.batch import (
+    CANDIDATE_IDS,
+    CANDIDATE_LOG_PROBS,
+    ENTROPY,
+    LOG_PROBS,
+    TOP_K_IDS,
+    TOP_K_LOG_PROBS,
+    VALUES,
+)
 from verl_core.hookspecs import Kind
 from verl_core.testing import lora_checks, state_checks
 from verl_core.testing.context import (
@@ -32,6 +41,7 @@ from verl_core.testing.context import (
     SCHEDULE_OPTIM,
     STEP_PARAM_TOLERANCE,
     STEP_SCALAR_TOLERANCE,
+    TOP_K_SIZE,
     CheckSkipped,
     RankContext,
     compare_first_step,
@@ -42,7 +52,8 @@ from verl_core.testing.context import (
     infer,
     train_step,
 )
-from verl_core.testing.report import Check, Comparison
+from verl_core.testing.losses import distillation_loss_fn
+from verl_core.testing.report import BITWISE, Check, Comparison, compare_tensors
 from verl_core.testing.tiny import BATCH_SIZE
 
 __all__ = [
@@ -139,6 +150,99 @@ def check_logits_chunks(ctx: RankContext) -> Iterator[Comparison]:
         )
 
 
+def check_top_k_log_probs(ctx: RankContext) -> Iterator[Comparison]:
+    """For backends that declare ``EngineBackend(top_k_log_probs=True)``: with ``top_k`` and a
+    teacher's top-k ids as ``candidate_ids`` on batch A, the ``k`` likeliest tokens and the log-probs
+    at the given ids equal the reference's tempered log-softmax, and one step on the distillation
+    loss over the candidates' log-probs (gradients through them) equals the reference's step. Padded
+    micro-batches of two, then packed ones (prompts shared where the backend shares them) under a
+    token budget with the LM head 3 tokens at a time."""
+    if not ctx.registry.entry(Kind.ENGINE_BACKENDS, ctx.backend).descriptor.top_k_log_probs:
+        raise CheckSkipped(f"backend '{ctx.backend}' does not declare EngineBackend(top_k_log_probs=True)")
+    packed = attrs.evolve(
+        BASE_MICRO_BATCH,
+        packing=True,
+        use_dynamic_bsz=True,
+        max_token_len=DYNAMIC_MAX_TOKEN_LEN,
+        logits_chunk_size=LOGITS_CHUNK_SIZE,
+    )
+    splits = {
+        "padded: ": BASE_MICRO_BATCH,
+        f"packed, max_token_len={DYNAMIC_MAX_TOKEN_LEN}, logits_chunk_size={LOGITS_CHUNK_SIZE}: ": packed,
+    }
+    for prefix, split in splits.items():
+        engine = ctx.engine(micro_batch=split)
+        outputs = infer(engine, ctx.local_distillation_batch())
+        if engine.is_output_rank:
+            yield from compare_top_k(ctx, outputs, prefix)
+        metrics = train_step(engine, ctx.local_distillation_batch(), loss_fn=distillation_loss_fn)
+        step = ctx.reference_distillation_step()
+        yield from compare_step(
+            ctx,
+            "top_k_log_probs",
+            metrics,
+            exported(engine),
+            step,
+            prefix,
+            BITWISE,
+            "parameters after step 1",
+        )
+
+
+def compare_top_k(ctx: RankContext, outputs: Any, prefix: str) -> list[Comparison]:
+    """The engine's top-k and candidate log-probs on batch A against the reference's log-softmax, on
+    every real response token. The top-k log-probs must be the reference's ``k`` largest, descending;
+    the reference's log-probs at the engine's top-k ids must be those too (the ids are the likeliest
+    tokens, in order; where the reference ties, either order of the tied tokens passes)."""
+    check = "top_k_log_probs"
+    if outputs is None:
+        return [Comparison(check, f"{prefix}outputs", ctx.rank, False, "infer_batch returned no outputs")]
+    log_softmax = ctx.reference_log_softmax()
+    mask = ctx.local_token_mask()[..., None]
+    top_log_probs, top_ids = outputs.get(TOP_K_LOG_PROBS, None), outputs.get(TOP_K_IDS, None)
+    at_ids = None
+    if top_ids is not None:
+        if top_ids.dtype != torch.int64 or top_ids.shape != (*mask.shape[:2], TOP_K_SIZE):
+            return [
+                Comparison(
+                    check,
+                    f"{prefix}{TOP_K_IDS}",
+                    ctx.rank,
+                    False,
+                    f"{top_ids.dtype} {list(top_ids.shape)}, expected torch.int64 "
+                    f"{[*mask.shape[:2], TOP_K_SIZE]}",
+                )
+            ]
+        at_ids = log_softmax.gather(-1, top_ids.to("cpu").clamp(0, log_softmax.shape[-1] - 1))
+    expected_top = log_softmax.topk(TOP_K_SIZE, dim=-1).values
+    candidates = ctx.local_distillation_batch()[CANDIDATE_IDS]
+    return [
+        compare_tensors(
+            check, f"{prefix}{TOP_K_LOG_PROBS}", top_log_probs, expected_top, OUTPUT_TOLERANCE, ctx.rank, mask
+        ),
+        compare_tensors(
+            check,
+            f"{prefix}reference log-probs at {TOP_K_IDS}",
+            at_ids,
+            expected_top,
+            OUTPUT_TOLERANCE,
+            ctx.rank,
+            mask,
+            subject="reference at the engine's ids",
+            against="reference's top-k",
+        ),
+        compare_tensors(
+            check,
+            f"{prefix}{CANDIDATE_LOG_PROBS}",
+            outputs.get(CANDIDATE_LOG_PROBS, None),
+            log_softmax.gather(-1, candidates),
+            OUTPUT_TOLERANCE,
+            ctx.rank,
+            mask,
+        ),
+    ]
+
+
 def outputs_and_first_step(
     ctx: RankContext, check: str, split: MicroBatchConfig, prefix: str
 ) -> Iterator[Comparison]:
@@ -220,6 +324,13 @@ CHECKS: dict[str, Check] = {
             check_shared_prompts,
             "packed micro-batches whose samples of one prompt share one copy of it (backends declaring "
             "shared_prompts=True) give the reference's outputs and first step",
+        ),
+        Check(
+            "top_k_log_probs",
+            check_top_k_log_probs,
+            "with top_k and a teacher's top-k ids as candidate_ids (backends declaring top_k_log_probs=True), "
+            "padded and packed under a token budget with chunked logits: the top-k log-probs and ids and the "
+            "candidates' log-probs equal the reference's, and one distillation step on them equals the reference",
         ),
         Check(
             "logits_chunks",

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from verl_core.config.engine import EngineConfig, MicroBatchConfig, ModelConfig, OptimConfig
-from verl_core.data.batch import COMPUTE_ENTROPY, TEMPERATURE
-from verl_core.engine.base import BaseEngine
+from verl_core.data.batch import CANDIDATE_IDS, COMPUTE_ENTROPY, TEACHER_TOP_K_LOG_PROBS, TEMPERATURE, TOP_K
+from verl_core.engine.base import BaseEngine, LossFn
 from verl_core.engine.topology import Topology, check_topologies
 from verl_core.testing import reference
 from verl_core.testing.losses import TEMPERATURE as KIT_TEMPERATURE
@@ -48,6 +48,7 @@ from verl_core.testing.tiny import (
     response_token_mask,
     save_tiny_models,
     shard,
+    teacher_top_k,
 )
 
 # -- tolerances (fp32 on CPU; measured differences against the reference are ~10x smaller) -------
@@ -87,6 +88,9 @@ DYNAMIC_MAX_TOKEN_LEN = 20
 #: in groups, as GRPO's do (engines that pack may compute a shared prompt once).
 BATCH_SEEDS = {"A": 1, "B": 2, "C": 3}
 SHARED_PROMPT_BATCHES = ("A",)
+#: The ``top_k_log_probs`` check's ``k``: the engine's top-k, and the teacher's top-k ids it is
+#: given as ``candidate_ids``.
+TOP_K_SIZE = 4
 #: On CUDA, what ``to("cpu")`` must free of what an engine held after a step: the AdamW moments are
 #: twice the parameters, so moving only the optimiser frees at least a quarter, moving all of it
 #: leaves at most a twentieth (caches, the odd scalar).
@@ -236,6 +240,23 @@ class RankContext:
         batch.set_non_tensor(COMPUTE_ENTROPY, True)
         return batch
 
+    def local_distillation_batch(self) -> TensorDict:
+        """``local_batch("A")`` asking for the top ``TOP_K_SIZE`` tokens (``top_k``) and the log-probs at
+        a teacher's top-k ids (``candidate_ids``), whose log-probs ``teacher_top_k_log_probs`` the
+        distillation loss reads (``teacher_top_k``: 0 after each response)."""
+        batch = self.local_batch("A")
+        ids, log_probs = zip(*self.teacher_top_k()[self.rows], strict=True)
+        batch[CANDIDATE_IDS] = reference.pad_responses(ids)
+        batch[TEACHER_TOP_K_LOG_PROBS] = reference.pad_responses(log_probs)
+        batch.set_non_tensor(TOP_K, TOP_K_SIZE)
+        return batch
+
+    def teacher_top_k(self) -> list[reference.TeacherTopK]:
+        """A made-up teacher's top ``TOP_K_SIZE`` ids and log-probs at each response token of batch A."""
+        if "teacher" not in self._cache:
+            self._cache["teacher"] = teacher_top_k(self.samples["A"], TOP_K_SIZE, seed=BATCH_SEEDS["A"])
+        return self._cache["teacher"]
+
     def local_token_mask(self) -> torch.Tensor:
         """Where this rank's share of batch A has response tokens."""
         return response_token_mask(collate(self.share("A", self.dp_rank)))
@@ -258,6 +279,24 @@ class RankContext:
                 self.dirs.for_role(role), role, self.samples["A"], BASE_OPTIM, KIT_TEMPERATURE
             )
         return self._cache[key]
+
+    def reference_log_softmax(self) -> torch.Tensor:
+        """The reference's tempered log-softmax ``[b, R, V]`` on batch A for this rank's rows."""
+        if "log_softmax" not in self._cache:
+            model = reference.load_reference_model(self.dirs.lm, "lm")
+            self._cache["log_softmax"] = reference.reference_log_softmax(
+                model, self.samples["A"], KIT_TEMPERATURE
+            )
+        return self._cache["log_softmax"][self.rows]
+
+    def reference_distillation_step(self) -> reference.ReferenceStep:
+        """One reference AdamW step of the full batch A with ``BASE_OPTIM`` on the distillation loss
+        (``teacher_top_k``)."""
+        if "step/distillation" not in self._cache:
+            self._cache["step/distillation"] = reference.reference_step(
+                self.dirs.lm, "lm", self.samples["A"], BASE_OPTIM, KIT_TEMPERATURE, self.teacher_top_k()
+            )
+        return self._cache["step/distillation"]
 
     def reference_schedule(self) -> list[reference.ReferenceStep]:
         """Three reference AdamW steps (batches A, B, C) at the rates of ``SCHEDULE_OPTIM``."""
@@ -290,8 +329,11 @@ def exported(engine: BaseEngine) -> list[tuple[str, torch.Tensor]]:
     return [(name, tensor.detach().to("cpu").clone()) for name, tensor in engine.get_per_tensor_param()]
 
 
-def train_step(engine: BaseEngine, batch: TensorDict, role: str = "lm") -> dict[str, float]:
-    loss_fn = value_loss_fn if role == "value" else policy_loss_fn
+def train_step(
+    engine: BaseEngine, batch: TensorDict, role: str = "lm", loss_fn: LossFn | None = None
+) -> dict[str, float]:
+    """One step of ``engine`` on ``batch`` with ``loss_fn`` (by default the kit's loss for ``role``)."""
+    loss_fn = loss_fn or (value_loss_fn if role == "value" else policy_loss_fn)
     with engine.train_mode():
         return engine.train_batch(batch, loss_fn)
 

@@ -16,10 +16,12 @@ from tensordict import TensorDict
 
 from verl_core.data.batch import (
     ADVANTAGES,
+    CANDIDATE_LOG_PROBS,
     ENTROPY,
     LOG_PROBS,
     RESPONSE_MASK,
     RETURNS,
+    TEACHER_TOP_K_LOG_PROBS,
     VALUES,
     get_global_counts,
 )
@@ -43,6 +45,14 @@ def value_token_loss(values: torch.Tensor, returns: torch.Tensor) -> torch.Tenso
     return 0.5 * (values - returns) ** 2
 
 
+def distillation_token_loss(
+    candidate_log_probs: torch.Tensor, teacher_top_k_log_probs: torch.Tensor
+) -> torch.Tensor:
+    """Per-token cross-entropy from a teacher's top-k to the student: ``-sum_j p_teacher_j log p_j``
+    over the teacher's ``k`` likeliest tokens (the student's log-probs at them, ``[..., k]``)."""
+    return -(teacher_top_k_log_probs.exp() * candidate_log_probs).sum(dim=-1)
+
+
 def policy_loss_fn(
     model_output: dict[str, torch.Tensor], micro_batch: TensorDict, dp_group: Any = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -53,6 +63,22 @@ def policy_loss_fn(
             "the forward pass must honour the batch's compute_entropy flag (with gradients)"
         )
     token_loss = policy_token_loss(model_output[LOG_PROBS], model_output[ENTROPY], micro_batch[ADVANTAGES])
+    return _global_token_mean(token_loss, micro_batch)
+
+
+def distillation_loss_fn(
+    model_output: dict[str, torch.Tensor], micro_batch: TensorDict, dp_group: Any = None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``LossFn`` for role ``lm`` on a teacher's top-k: token-mean of ``distillation_token_loss`` of the
+    student's ``candidate_log_probs`` (at the batch's ``candidate_ids``, the teacher's top-k ids)."""
+    if CANDIDATE_LOG_PROBS not in model_output:
+        raise KeyError(
+            "the engine's model output has no 'candidate_log_probs' although the batch has 'candidate_ids': "
+            "the forward pass must return the log-probs at the batch's candidate_ids (with gradients)"
+        )
+    token_loss = distillation_token_loss(
+        model_output[CANDIDATE_LOG_PROBS], micro_batch[TEACHER_TOP_K_LOG_PROBS]
+    )
     return _global_token_mean(token_loss, micro_batch)
 
 

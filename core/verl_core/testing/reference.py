@@ -18,9 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from verl_core.config.engine import OptimConfig
-from verl_core.data.batch import ENTROPY, LOG_PROBS, VALUES
-from verl_core.testing.losses import policy_token_loss, value_token_loss
+from verl_core.data.batch import CANDIDATE_LOG_PROBS, ENTROPY, LOG_PROBS, VALUES
+from verl_core.testing.losses import distillation_token_loss, policy_token_loss, value_token_loss
 from verl_core.testing.tiny import RESPONSE_LENGTH, Sample
+
+#: One sample's teacher top-k: token ids ``[r, k]`` and their log-probs ``[r, k]`` (``teacher_top_k``).
+TeacherTopK = tuple[torch.Tensor, torch.Tensor]
 
 
 def load_reference_model(path: str, role: str) -> torch.nn.Module:
@@ -32,10 +35,15 @@ def load_reference_model(path: str, role: str) -> torch.nn.Module:
 
 
 def sample_outputs(
-    model: torch.nn.Module, sample: Sample, role: str, temperature: float
+    model: torch.nn.Module,
+    sample: Sample,
+    role: str,
+    temperature: float,
+    candidate_ids: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Outputs at each response token of one unpadded sample: ``log_probs`` and ``entropy`` of the
-    tempered distribution (``lm``), or ``values`` (``value``), each ``[r]``.
+    tempered distribution (``lm``), or ``values`` (``value``), each ``[r]``; with ``candidate_ids``
+    ``[r, k]`` also their log-probs ``candidate_log_probs`` ``[r, k]``.
 
     Response token ``t`` is predicted from the position just before it, so its outputs come from
     the model output at position ``p + t - 1``.
@@ -48,7 +56,28 @@ def sample_outputs(
     log_softmax = F.log_softmax(predicting / temperature, dim=-1)
     log_probs = log_softmax.gather(-1, sample.response.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(dim=-1)
-    return {LOG_PROBS: log_probs, ENTROPY: entropy}
+    outputs = {LOG_PROBS: log_probs, ENTROPY: entropy}
+    if candidate_ids is not None:
+        outputs[CANDIDATE_LOG_PROBS] = log_softmax.gather(-1, candidate_ids)
+    return outputs
+
+
+@torch.no_grad()
+def reference_log_softmax(
+    model: torch.nn.Module, samples: Sequence[Sample], temperature: float
+) -> torch.Tensor:
+    """``log_softmax(logits / T)`` at each response token of every sample, each run alone and
+    unpadded in eval mode: ``[B, RESPONSE_LENGTH, V]``, zeros after each response. A top-k, or the
+    log-probs of any tokens, are read from it."""
+    model.eval()
+    return pad_responses(
+        [
+            F.log_softmax(
+                response_logits(model, sample.prompt.tolist(), sample.response.tolist()) / temperature, -1
+            )
+            for sample in samples
+        ]
+    )
 
 
 @torch.no_grad()
@@ -81,8 +110,10 @@ def next_token_logits(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) 
 
 
 def pad_responses(per_sample: Sequence[torch.Tensor], width: int = RESPONSE_LENGTH) -> torch.Tensor:
-    """Stack per-sample ``[r]`` tensors into ``[B, width]``, zeros after each response."""
-    padded = torch.zeros(len(per_sample), width)
+    """Stack per-sample ``[r]`` (or ``[r, ...]``) tensors into ``[B, width]`` (``[B, width, ...]``),
+    zeros after each response."""
+    first = per_sample[0]
+    padded = first.new_zeros(len(per_sample), width, *first.shape[1:])
     for row, values in enumerate(per_sample):
         padded[row, : len(values)] = values
     return padded
@@ -130,10 +161,12 @@ def reference_steps(
     batches: Sequence[Sequence[Sample]],
     optim: OptimConfig,
     temperature: float,
+    teacher: Sequence[TeacherTopK] | None = None,
 ) -> list[ReferenceStep]:
     """Load ``path``; take one AdamW step per batch on the token-mean loss over all of its samples,
     at the rate ``scheduled_lr`` gives for that step. One ``ReferenceStep`` per step (they share the
-    model, which ends in the state after the last step)."""
+    model, which ends in the state after the last step). ``teacher``: the loss is the distillation
+    loss on it, for every batch (``reference_loss``)."""
     model = load_reference_model(path, role)
     model.train()
     optimizer = torch.optim.AdamW(
@@ -149,7 +182,7 @@ def reference_steps(
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        loss = reference_loss(model, samples, role, temperature)
+        loss = reference_loss(model, samples, role, temperature, teacher)
         loss.backward()
         max_norm = optim.clip_grad if optim.clip_grad > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=max_norm))
@@ -160,16 +193,25 @@ def reference_steps(
 
 
 def reference_loss(
-    model: torch.nn.Module, samples: Sequence[Sample], role: str, temperature: float
+    model: torch.nn.Module,
+    samples: Sequence[Sample],
+    role: str,
+    temperature: float,
+    teacher: Sequence[TeacherTopK] | None = None,
 ) -> torch.Tensor:
     """The kit's loss on ``samples`` (each run alone, unpadded): the token mean over all of them of
-    the policy loss (``lm``) or the value loss (``value``), differentiable."""
+    the policy loss (``lm``) or the value loss (``value``), differentiable. With ``teacher`` (each
+    sample's top-k ids and log-probs, ``teacher_top_k``) the distillation loss on the log-probs at
+    those ids instead."""
     total = torch.zeros(())
     num_tokens = 0
-    for sample in samples:
-        outputs = sample_outputs(model, sample, role, temperature)
+    for index, sample in enumerate(samples):
+        top_k = None if teacher is None else teacher[index]
+        outputs = sample_outputs(model, sample, role, temperature, None if top_k is None else top_k[0])
         if role == "value":
             token_loss = value_token_loss(outputs[VALUES], sample.returns)
+        elif top_k is not None:
+            token_loss = distillation_token_loss(outputs[CANDIDATE_LOG_PROBS], top_k[1])
         else:
             token_loss = policy_token_loss(outputs[LOG_PROBS], outputs[ENTROPY], sample.advantages)
         total = total + (token_loss * sample.loss_mask).sum()
@@ -189,12 +231,18 @@ def reference_gradients(
 
 
 def reference_step(
-    path: str, role: str, samples: Sequence[Sample], optim: OptimConfig, temperature: float
+    path: str,
+    role: str,
+    samples: Sequence[Sample],
+    optim: OptimConfig,
+    temperature: float,
+    teacher: Sequence[TeacherTopK] | None = None,
 ) -> ReferenceStep:
-    """Load ``path``, take one AdamW step on the token-mean loss over all ``samples``."""
+    """Load ``path``, take one AdamW step on the token-mean loss over all ``samples`` (the
+    distillation loss on ``teacher``'s top-k, if given)."""
     if optim.lr_scheduler != "constant" or optim.lr_warmup_steps:
         raise ValueError("the reference step takes a constant learning rate without warmup")
-    return reference_steps(path, role, [samples], optim, temperature)[0]
+    return reference_steps(path, role, [samples], optim, temperature, teacher)[0]
 
 
 @torch.no_grad()

@@ -146,6 +146,22 @@ def make_samples(seed: int, vocab_size: int = VOCAB_SIZE, share_prompts: bool = 
     return samples
 
 
+def teacher_top_k(
+    samples: Sequence[Sample], k: int, seed: int = 0, vocab_size: int = VOCAB_SIZE
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A made-up teacher's top-k at each response token of ``samples``: per sample, ``k`` distinct
+    token ids per position ``[r, k]`` int64 and their log-probs ``[r, k]``, descending (the ``k``
+    likeliest of ``k + 1`` tokens), as a GKD teacher's ``top_k_ids`` and ``top_k_log_probs``."""
+    generator = torch.Generator().manual_seed(seed)
+    top_k = []
+    for sample in samples:
+        length = len(sample.response)
+        ids = torch.rand(length, vocab_size, generator=generator).argsort(dim=-1)[:, :k]
+        log_probs = torch.log_softmax(torch.randn(length, k + 1, generator=generator), dim=-1)
+        top_k.append((ids, log_probs.sort(dim=-1, descending=True).values[:, :k]))
+    return top_k
+
+
 def collate(samples: Sequence[Sample]) -> TensorDict:
     """Pad ``samples`` into the batch contract: prompts left-padded to ``PROMPT_LENGTH``, responses
     right-padded to ``RESPONSE_LENGTH``; ``position_ids`` count real tokens only."""

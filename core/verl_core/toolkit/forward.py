@@ -57,12 +57,13 @@ def forward_micro_batch(
     ``compute_entropy`` is set, for ``lm``; ``{"values": [b, R]}`` for ``value``. An ``lm`` pass also
     returns ``candidate_log_probs`` ``[b, R, k]`` when the micro-batch has ``candidate_ids``, and
     ``top_k_log_probs`` and ``top_k_ids`` ``[b, R, k]`` when its ``top_k`` is ``k > 0``
-    (``lm_head_outputs``). Response token ``t`` is predicted from the logits at column ``P + t - 1``
-    (``P = L - R``, the prompt length). With ``packing`` the sequences run padding-free
-    (``pack_sequences``): the same outputs on every real response token, 0 on padding. With ``logits_chunk_size`` an ``lm`` micro-batch predicting
-    more tokens than that computes its logits that many tokens at a time (``_lm_outputs``). Packed,
-    rows with identical prompts compute them once where ``share_prompts`` and the model's attention
-    allow (``verl_core.toolkit.varlen.shares_prompts``).
+    (``lm_head_outputs``), 0 on padding. Response token ``t`` is predicted from the logits at column
+    ``P + t - 1`` (``P = L - R``, the prompt length). With ``packing`` the sequences run padding-free
+    (``pack_sequences``): the same outputs on every real response token, 0 on padding. With
+    ``logits_chunk_size`` an ``lm`` micro-batch predicting more tokens than that computes its logits
+    that many tokens at a time (``_lm_outputs``). Packed, rows with identical prompts compute them
+    once where ``share_prompts`` and the model's attention allow
+    (``verl_core.toolkit.varlen.shares_prompts``).
     """
     response_length = micro_batch[RESPONSES].shape[-1]
     if packing:

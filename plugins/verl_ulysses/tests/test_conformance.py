@@ -79,7 +79,7 @@ class TestDataParallelConformance(SelectedConformance):
         "offload",
     )
     skip_reason = (
-        "not run at (dp 2, sp 1): micro-batch splitting, chunked logits and the LR schedule are core's "
+        "not run at (dp 2, sp 1): micro-batch splitting, chunked logits, top-k log-probs and the LR schedule are core's "
         "(run_micro_batches, forward_micro_batch) and the layout's FSDP units are those of the (dp 1, sp 2) "
         "and (dp 2, sp 2) runs, which check them"
     )
@@ -102,6 +102,6 @@ class TestDataAndSequenceParallelConformance(SelectedConformance):
     )
     skip_reason = (
         "not run at (dp 2, sp 2): the sequence-parallel forward with micro-batching, packing, chunked "
-        "logits, the value role and the LR schedule run the same code on one SP group as at (dp 1, sp 2), "
+        "logits, top-k log-probs, the value role and the LR schedule run the same code on one SP group as at (dp 1, sp 2), "
         "which checks them"
     )

@@ -42,14 +42,8 @@ from tensordict import TensorDict
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from verl_core.data import ATTENTION_MASK, ENTROPY, INPUT_IDS, LOG_PROBS, RESPONSES, VALUES
-from verl_core.engine import forward_options
-from verl_core.toolkit import (
-    chunked_log_probs_and_entropy,
-    log_probs_and_entropy,
-    pack_sequences,
-    plain_head_model,
-)
+from verl_core.data import ATTENTION_MASK, CANDIDATE_IDS, INPUT_IDS, RESPONSES, VALUES
+from verl_core.toolkit import lm_head_outputs, pack_sequences, plain_head_model, scatter_positions
 
 #: The attention implementation a model runs under at ``sp > 1`` (registered with transformers).
 ULYSSES_ATTENTION = "verl_ulysses"
@@ -335,8 +329,9 @@ def ulysses_forward(
 
     The micro-batch runs padding-free whatever ``micro_batch.packing`` says (the split works on the
     packed row), without shared prompts: a shared prompt's last token predicts several responses'
-    first tokens, which one label per position cannot say. Returns ``log_probs`` (+ ``entropy``) or
-    ``values`` ``[b, R]``, identical on every rank of the group, 0 on padding.
+    first tokens, which one label per position cannot say. Returns ``log_probs`` (+ ``entropy``, and
+    the ``[b, R, k]`` top-k and candidate outputs the micro-batch asks for) or ``values`` ``[b, R]``,
+    identical on every rank of the group, 0 on padding.
     """
     responses = micro_batch[RESPONSES]
     packed = pack_sequences(micro_batch[ATTENTION_MASK], responses.shape[-1])
@@ -356,35 +351,45 @@ def ulysses_forward(
         "use_cache": False,
         SHARD_KWARG: shard,
     }
+    present = packed.response_present
     if role == "lm":
-        local = _local_log_probs(model, inputs, shard, micro_batch, logits_chunk_size)
+        candidates = None
+        if CANDIDATE_IDS in micro_batch:  # laid out like the labels: on the whole row, then this shard's part
+            given = micro_batch[CANDIDATE_IDS][present]
+            row = given.new_zeros(shard.total_length, given.shape[-1])
+            row[packed.predicting] = given
+            length = shard.input_ids.shape[0]
+            candidates = row[shard.sp_rank * length : (shard.sp_rank + 1) * length]
+        local = _local_log_probs(model, inputs, shard, candidates, micro_batch, logits_chunk_size)
     else:
         local = {VALUES: model(**inputs).logits[0, :, 0].float()}
-    present = packed.response_present
-    outputs = {}
-    for name, values in local.items():
-        whole = gather_sequence(values, group, grad_scale=shard.sp_size)
-        outputs[name] = whole.new_zeros(present.shape).masked_scatter(present, whole[packed.predicting])
-    return outputs
+    return {
+        name: scatter_positions(
+            gather_sequence(values, group, grad_scale=shard.sp_size)[packed.predicting], present
+        )
+        for name, values in local.items()
+    }
 
 
 def _local_log_probs(
     model: torch.nn.Module,
     inputs: dict[str, Any],
     shard: SequenceShard,
+    candidates: torch.Tensor | None,
     micro_batch: TensorDict,
     logits_chunk_size: int | None,
 ) -> dict[str, torch.Tensor]:
-    """Log-probs (and entropy) of the shard's labels at the positions that predict response tokens,
-    ``[S/sp]`` with 0 elsewhere. Beyond ``logits_chunk_size`` predicted tokens (for models whose logits
-    are their LM head applied to the last hidden state) the head runs a chunk at a time."""
-    temperature, compute_entropy = forward_options(micro_batch)
+    """``lm_head_outputs`` of the shard's labels (and ``candidates`` ``[S/sp, k]``, or None) at the
+    positions that predict response tokens, ``[S/sp, ...]`` with 0 elsewhere. Beyond
+    ``logits_chunk_size`` predicted tokens (for models whose logits are their LM head applied to the
+    last hidden state) the head runs a chunk at a time."""
     where = shard.predicting_local
     labels = shard.labels[where]
+    candidates = None if candidates is None else candidates[where]
     head_model = plain_head_model(model)
     if logits_chunk_size is None or where.numel() <= logits_chunk_size or head_model is None:
         logits = model(**inputs, logits_to_keep=where).logits[0]
-        log_probs, entropy = log_probs_and_entropy(logits, labels, temperature, compute_entropy)
+        outputs = lm_head_outputs(micro_batch, labels, candidates, logits=logits)
     else:
         caught: list[torch.Tensor] = []
         handle = head_model.base_model.register_forward_hook(
@@ -395,15 +400,16 @@ def _local_log_probs(
         finally:
             handle.remove()
         head = head_model.get_output_embeddings()  # read after the forward: FSDP holds it gathered
-        log_probs, entropy = chunked_log_probs_and_entropy(
-            caught[0][0][where],
-            head.weight,
-            head.bias,
+        outputs = lm_head_outputs(
+            micro_batch,
             labels,
-            temperature,
-            compute_entropy,
-            logits_chunk_size,
+            candidates,
+            hidden=caught[0][0][where],
+            head=head,
+            chunk_size=logits_chunk_size,
         )
-    outputs = {LOG_PROBS: log_probs} if entropy is None else {LOG_PROBS: log_probs, ENTROPY: entropy}
     length = shard.input_ids.shape[0]
-    return {name: value.new_zeros(length).index_put((where,), value) for name, value in outputs.items()}
+    return {
+        name: value.new_zeros(length, *value.shape[1:]).index_put((where,), value)
+        for name, value in outputs.items()
+    }

@@ -238,6 +238,7 @@ DISTILL_RUNS = {
     "grpo": ["examples/grpo.yaml"],
     "distill": ["examples/distill.yaml"],
     "mixed": ["examples/distill.yaml", "distillation.task_reward_coef=1.0"],
+    "gkd": ["examples/distill.yaml", "distillation.loss=gkd", "distillation.teachers.digits_teacher.top_k=8"],
 }
 
 
@@ -245,7 +246,7 @@ DISTILL_RUNS = {
 def distill_demo(session: nox.Session) -> None:
     """On-policy distillation against GRPO alone (docs/distillation.md): a larger demo model SFT-trained
     to a high score is the teacher, the demo's SFT-warmed model the student, trained three ways with the
-    same budget (GRPO alone, distillation alone, both signals mixed); prints each one's validation scores
+    same budget (GRPO alone, distillation alone, both signals mixed, GKD alone); prints each one's validation scores
     and draws them side by side (``verl-core plot ... --out``). Starts fresh each time."""
     _install_editable(session)
     shutil.rmtree(REPO / DISTILL_DEMO, ignore_errors=True)

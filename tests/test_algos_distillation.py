@@ -263,3 +263,13 @@ def test_gkd_loss_is_the_token_mean_over_response_tokens_only():
     assert math.isclose(metrics["distillation/jsd"], float(loss), rel_tol=1e-4)
     unmasked = generalized_jsd(student, teacher_top.float(), 0.5).mean()
     assert not math.isclose(float(unmasked), float(loss), rel_tol=1e-3)
+    # The teacher's top-k one position late (the logits at P + t): another loss, which the reference tells.
+    shifted, _ = gkd_loss(
+        candidate_log_probs=student,
+        teacher_top_k_log_probs=torch.roll(teacher_top.float(), 1, dims=1),
+        response_mask=mask,
+        beta=0.5,
+        loss_agg_mode="token-mean",
+        counts=counts,
+    )
+    assert not math.isclose(float(shifted), sum(per_position) / len(per_position), rel_tol=1e-3)

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fixtures.fake_dist import backends_plugin, fake_distributions
+from fixtures.fake_dist import THIRD_PARTY_ENGINES, backends_plugin, fake_distributions
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -736,41 +736,6 @@ def test_the_top_k_check_skips_a_backend_that_does_not_declare_it(broken_at_1) -
     outcome = broken_at_1["ddp-crossing-packing"]["top_k_log_probs"]
     assert outcome.status == "skipped", outcome.describe()
     assert "does not declare EngineBackend(top_k_log_probs=True)" in outcome.describe()
-
-
-#: A third party's engines on core's toolkit, in a distribution of their own: one replica per rank.
-THIRD_PARTY_ENGINES = """
-    import attrs
-    import torch
-    from verl_core.toolkit import HFEngine, ReplicatedCheckpoint
-
-
-    @attrs.define
-    class AcmeConfig:
-        pass
-
-
-    class AcmeEngine(HFEngine):
-        options_class = AcmeConfig
-        checkpoint_format = ReplicatedCheckpoint("acme")
-
-        def wrap_model(self, module):
-            module.to(self.device)
-            if self.dp_size == 1:
-                return module
-            return torch.nn.parallel.DistributedDataParallel(module, process_group=self.dp_group)
-
-
-    class TokenOrderTopKEngine(AcmeEngine):
-        # Returns its top-k ordered by token id (a compact wire format), not by log-prob.
-        def forward_backward_batch(self, batch, loss_fn, forward_only):
-            result = super().forward_backward_batch(batch, loss_fn, forward_only)
-            if result.outputs is not None and "top_k_ids" in result.outputs.keys():
-                order = result.outputs["top_k_ids"].argsort(dim=-1)
-                for name in ("top_k_ids", "top_k_log_probs"):
-                    result.outputs[name] = result.outputs[name].gather(-1, order)
-            return result
-"""
 
 
 @pytest.fixture(scope="module")

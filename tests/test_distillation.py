@@ -5,6 +5,7 @@ before start at its key."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -14,6 +15,7 @@ from fixtures.demo import build_teacher, plain_response_log_probs, run_overrides
 
 from verl_core.config import load_config
 from verl_core.data.batch import (
+    ADVANTAGES,
     CANDIDATE_IDS,
     OLD_LOG_PROBS,
     RESPONSE_MASK,
@@ -23,6 +25,7 @@ from verl_core.data.batch import (
     TEACHER_TOP_K_IDS,
     TEACHER_TOP_K_LOG_PROBS,
     TOKEN_LEVEL_REWARDS,
+    UID,
 )
 from verl_core.errors import ConfigError
 from verl_core.trainer.distillation import TEACHER_INDEX
@@ -78,21 +81,45 @@ def plain_log_probs(model_path, batch) -> torch.Tensor:
     return every.gather(-1, batch[RESPONSES].unsqueeze(-1)).squeeze(-1) * batch[RESPONSE_MASK]
 
 
-def test_reverse_kl_rewards_are_the_teachers_log_probs_minus_the_students(demo, teachers, tmp_path):
+def grpo_advantages(scores: torch.Tensor, groups: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GRPO's advantages written out: each response's score against its group's mean, over the group's
+    unbiased std (+1e-6), on every response token."""
+    advantages = torch.zeros(mask.shape)
+    for row in range(scores.shape[0]):
+        group = scores[groups == groups[row]].double()
+        advantages[row] = float((scores[row] - group.mean()) / (group.std() + 1e-6))
+    return advantages * mask
+
+
+@pytest.mark.parametrize("reverse_kl_as", ["advantage", "reward"])
+def test_the_reverse_kl_joins_each_tokens_advantage_or_its_reward(demo, teachers, tmp_path, reverse_kl_as):
+    """The teacher's log-probs against its plain forward pass; then ``coef * (log pi_teacher - log
+    pi_student)`` on each sampled token added to the task's advantages (weighted by task_reward_coef)
+    after GRPO, or to the task's rewards before it."""
     coef, task = 0.5, 2.0
     batch, metrics = distilled_run(
         demo,
         tmp_path,
         **teacher_keys("a", teachers["a"]),
-        **{"distillation.coef": coef, "distillation.task_reward_coef": task},
+        **{
+            "distillation.coef": coef,
+            "distillation.task_reward_coef": task,
+            "distillation.reverse_kl_as": reverse_kl_as,
+        },
     )
     expected_teacher = plain_log_probs(teachers["a"], batch)
     assert torch.allclose(batch[TEACHER_LOG_PROBS], expected_teacher, atol=1e-5)
     mask = batch[RESPONSE_MASK]
-    expected = (
-        task * outcome_rewards(batch[SCORES], mask) + coef * (expected_teacher - batch[OLD_LOG_PROBS]) * mask
-    )
-    assert torch.allclose(batch[TOKEN_LEVEL_REWARDS], expected, atol=1e-5)
+    signal = coef * (expected_teacher - batch[OLD_LOG_PROBS]) * mask
+    task_rewards = outcome_rewards(batch[SCORES], mask)
+    if reverse_kl_as == "advantage":
+        assert torch.allclose(batch[TOKEN_LEVEL_REWARDS], task_rewards)
+        expected = task * grpo_advantages(batch[SCORES], batch[UID], mask) + signal
+        assert torch.allclose(batch[ADVANTAGES], expected, atol=1e-5)
+    else:
+        assert torch.allclose(batch[TOKEN_LEVEL_REWARDS], task * task_rewards + signal, atol=1e-5)
+        summed = batch[TOKEN_LEVEL_REWARDS].sum(-1)  # GRPO's outcome: a response's rewards summed
+        assert torch.allclose(batch[ADVANTAGES], grpo_advantages(summed, batch[UID], mask), atol=1e-4)
     log_ratio = ((batch[OLD_LOG_PROBS] - expected_teacher) * mask).sum() / mask.sum()
     assert metrics["distillation/reverse_kl"] == pytest.approx(float(log_ratio), abs=1e-5)
     assert metrics["timing/teachers"] > 0
@@ -199,7 +226,7 @@ def test_gkd_trains_on_the_teachers_top_k_and_reports_the_divergence(demo, teach
     assert torch.allclose(batch[TEACHER_TOP_K_LOG_PROBS][mask], values[mask], atol=1e-5)
     assert torch.equal(batch[TEACHER_TOP_K_IDS][mask], ids[mask])
     assert torch.equal(batch[CANDIDATE_IDS], batch[TEACHER_TOP_K_IDS])
-    assert torch.count_nonzero(batch[TOKEN_LEVEL_REWARDS]) == 0  # task_reward_coef 0: GKD alone
+    assert torch.count_nonzero(batch[ADVANTAGES]) == 0  # task_reward_coef 0: GKD alone
     assert metrics["actor/grad_norm"] > 0  # which moves the student by itself
     student_at_ids = plain_response_log_probs(demo.model, batch, TEMPERATURE).gather(-1, ids)
     # The metric is each micro-batch's token mean (4 rows each, in batch order), averaged over them.
@@ -212,3 +239,85 @@ def test_gkd_trains_on_the_teachers_top_k_and_reports_the_divergence(demo, teach
         ]
         per_micro_batch.append(sum(divergences) / len(divergences))
     assert metrics["distillation/jsd"] == pytest.approx(sum(per_micro_batch) / len(per_micro_batch), rel=1e-4)
+
+
+def test_options_the_run_would_ignore_are_warned_about(demo, teachers, tmp_path):
+    from verl_core.errors import ConfigWarning
+
+    with pytest.warns(ConfigWarning, match="distillation.route_by: ignored: distillation.teachers is empty"):
+        load_config([], run_overrides(demo, tmp_path, **{"distillation.route_by": "teacher"}))
+    with pytest.warns(ConfigWarning, match="distillation.beta: ignored: it is GKD's"):
+        load_config(
+            [],
+            run_overrides(demo, tmp_path, **teacher_keys("t", teachers["a"]), **{"distillation.beta": 0.9}),
+        )
+    with pytest.warns(
+        ConfigWarning, match="distillation.teachers.t.top_k: ignored: distillation.loss reverse_kl"
+    ):
+        load_config([], run_overrides(demo, tmp_path, **teacher_keys("t", teachers["a"], top_k=8)))
+
+
+@contextlib.contextmanager
+def third_party_backend(tmp_path, name: str, **fields):
+    """A registry that sees engine backend ``name`` of an installed third-party distribution (the
+    ``acme_engines`` module: engines on core's toolkit), its descriptor with ``fields``."""
+    from fixtures.fake_dist import THIRD_PARTY_ENGINES, backends_plugin, fake_distributions
+
+    from verl_core.plugins.registry import Registry
+
+    with fake_distributions(tmp_path) as dists:
+        plugin = backends_plugin(
+            name,
+            engine="acme_engines:AcmeEngine",
+            config="acme_engines:AcmeConfig",
+            roles=("lm",),
+            devices=("cpu",),
+            **fields,
+        )
+        dists.add(
+            f"{name}-engines",
+            plugins={name: plugin},
+            requires=("verl-core",),
+            modules={"acme_engines": THIRD_PARTY_ENGINES},
+        )
+        yield Registry.from_plugins(autoload=True)
+
+
+def test_a_third_party_engine_that_passes_the_top_k_check_serves_a_gkd_teacher(demo, teachers, tmp_path):
+    """The engine of an installed third-party distribution (tests/test_conformance_kit.py holds it to
+    the ``top_k_log_probs`` check) scores as the teacher: its top-k are the teacher's plain forward pass."""
+    changes = teacher_keys("t", teachers["b"], top_k=5) | {
+        "distillation.teachers.t.engine.backend": "acme",
+        "distillation.loss": "gkd",
+        "trainer.total_training_steps": 1,
+        "rollout.temperature": TEMPERATURE,
+    }
+    with third_party_backend(tmp_path, "acme", top_k_log_probs=True) as registry:
+        config = load_config([], run_overrides(demo, tmp_path, **changes), registry=registry)
+        assert not list(check_run(config, "rl", registry))
+        trainer = RLTrainer.from_config(config, registry=registry, show_progress=False)
+        try:
+            trainer.fit()
+        finally:
+            trainer.shutdown()
+    batch = trainer.last_batch
+    mask = batch[RESPONSE_MASK].bool()
+    values, ids = plain_response_log_probs(teachers["b"], batch, TEMPERATURE).topk(5, dim=-1)
+    assert torch.allclose(batch[TEACHER_TOP_K_LOG_PROBS][mask], values[mask], atol=1e-5)
+    assert torch.equal(batch[TEACHER_TOP_K_IDS][mask], ids[mask])
+
+
+def test_gkd_is_refused_for_a_backend_that_does_not_return_top_k(demo, teachers, tmp_path):
+    changes = teacher_keys("t", teachers["b"], top_k=5) | {
+        "distillation.teachers.t.engine.backend": "plain",
+        "distillation.loss": "gkd",
+    }
+    with third_party_backend(tmp_path, "plain") as registry:
+        config = load_config([], run_overrides(demo, tmp_path, **changes), registry=registry)
+        found = dict(check_run(config, "rl", registry))
+    message = found["distillation.teachers.t.top_k"]
+    assert (
+        "engine backend 'plain'" in message
+        and "does not declare EngineBackend(top_k_log_probs=True)" in message
+    )
+    assert "ddp" in message and "fsdp" in message  # the backends that do

@@ -422,19 +422,26 @@ class DistillationConfig:
     """The ``distillation`` section: on-policy distillation from one or more teachers (docs/distillation.md).
 
     The student samples as in RL; each teacher scores the sampled responses of the rows routed to it.
-    ``loss: reverse_kl`` adds ``coef * (log pi_teacher - log pi_student)`` of every sampled token to the
-    token-level rewards (any advantage estimator); ``loss: gkd`` adds ``coef`` times GKD's generalised
-    Jensen-Shannon divergence over the teacher's ``top_k`` tokens to the actor's loss. The task reward
-    (``reward.function``) counts ``task_reward_coef`` times; 0 distills alone.
+    ``loss: reverse_kl`` gives every sampled token ``coef * (log pi_teacher - log pi_student)``: added to
+    its advantage after the estimator (``reverse_kl_as: advantage``), or to its reward before it
+    (``reward``); ``loss: gkd`` adds ``coef`` times GKD's generalised Jensen-Shannon divergence over the
+    teacher's ``top_k`` tokens to the actor's loss. The task reward (``reward.function``) counts
+    ``task_reward_coef`` times; 0 distills alone.
     """
 
     #: The teachers by name; none (the default): no distillation.
     teachers: dict[str, TeacherConfig] = attrs.field(factory=dict)
     loss: Literal["reverse_kl", "gkd"] = "reverse_kl"
-    #: The weight of the distillation signal (the per-token reward, or the GKD loss).
+    #: The weight of the distillation signal (the per-token reverse KL, or the GKD loss).
     coef: float = attrs.field(default=1.0, validator=non_negative)
-    #: The weight of the task reward beside it: 1 mixes both signals, 0 distills alone.
+    #: The weight of the task reward beside it: of its advantages (with ``reverse_kl_as: advantage`` and
+    #: GKD), or of its rewards (``reward``); 1 mixes both signals, 0 distills alone.
     task_reward_coef: float = attrs.field(default=1.0, validator=non_negative)
+    #: ``reverse_kl``'s per-token signal: ``advantage`` adds it to each token's advantage after the
+    #: estimator (each token judged by its own log-ratio, as tinker-cookbook and slime do); ``reward``
+    #: adds it to the token-level rewards before the estimator, which then treats it like any reward (an
+    #: outcome estimator such as ``grpo`` sums a response's, which favours short responses).
+    reverse_kl_as: Literal["advantage", "reward"] = "advantage"
     #: GKD's interpolation: 0 the forward KL(teacher || student), 1 the reverse KL(student || teacher).
     beta: float = attrs.field(default=0.5, validator=unit_interval)
     #: A data column naming each row's teacher (a key of ``teachers``): required with several teachers;
@@ -483,6 +490,11 @@ class DistillationConfig:
                         "ignored: distillation.loss reverse_kl reads the teacher's log-probs of the sampled "
                         "tokens only; set it to 0, or use distillation.loss=gkd",
                     )
+        elif self.reverse_kl_as != "advantage":
+            yield (
+                "reverse_kl_as",
+                "ignored: it is reverse_kl's (distillation.loss=reverse_kl); gkd adds a loss",
+            )
 
 
 @attrs.define

@@ -4,9 +4,11 @@ to the step (docs/distillation.md).
 The student samples as in RL. Each response is routed to one teacher (``distillation.route_by``: a data
 column naming it; with one teacher, that one), which scores it at the rollout's temperature: its
 log-probs of the sampled tokens, and with ``top_k`` its ``k`` likeliest tokens at each position. Then
-``loss: reverse_kl`` adds ``coef * (log pi_teacher - log pi_student)`` to the token-level rewards (the
-task reward weighted by ``task_reward_coef``), and ``loss: gkd`` hands the teacher's top-k to the
-actor's update (``CANDIDATE_IDS``: the student's log-probs at those ids, against the teacher's).
+``loss: reverse_kl`` gives each sampled token ``coef * (log pi_teacher - log pi_student)``: added to its
+advantage once the estimator has run on the task reward (``reverse_kl_as: advantage``), or to its
+reward before (``reward``); ``loss: gkd`` hands the teacher's top-k to the actor's update
+(``CANDIDATE_IDS``: the student's log-probs at those ids, against the teacher's). The task reward's
+advantages (its rewards, with ``reverse_kl_as: reward``) are weighted by ``task_reward_coef``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from verl_core.algos.aggregation import masked_mean
 from verl_core.algos.distillation import reverse_kl_rewards
 from verl_core.config.run import RunConfig
 from verl_core.data.batch import (
+    ADVANTAGES,
     CANDIDATE_IDS,
     OLD_LOG_PROBS,
     RESPONSE_MASK,
@@ -86,10 +89,10 @@ class Teachers:
         return scores
 
     def distill(self, batch: TensorDict) -> dict[str, float]:
-        """Score ``batch`` (in place: the teachers' outputs join it) and add the distillation signal:
-        the reverse-KL reward, or the teacher's top-k ids as the student's ``CANDIDATE_IDS`` (GKD). The
-        metrics: ``distillation/reverse_kl`` (the token mean of ``log pi_student - log pi_teacher`` on the
-        sampled tokens, per teacher too with several)."""
+        """Before the advantages: score ``batch`` (in place: the teachers' outputs join it) and, with
+        ``reverse_kl_as: reward``, put the signal into the token-level rewards. The metrics:
+        ``distillation/reverse_kl`` (the token mean of ``log pi_student - log pi_teacher`` on the sampled
+        tokens, per teacher too with several)."""
         batch.update(self.score(batch))
         mask = batch[RESPONSE_MASK]
         log_ratio = batch[OLD_LOG_PROBS] - batch[TEACHER_LOG_PROBS]
@@ -99,11 +102,31 @@ class Teachers:
                 routed = mask * (batch[TEACHER_INDEX] == index).unsqueeze(-1)
                 if routed.any():
                     metrics[f"distillation/{name}/reverse_kl"] = float(masked_mean(log_ratio, routed))
-        task = self.config.task_reward_coef * batch[TOKEN_LEVEL_REWARDS]
-        if self.config.loss == "reverse_kl":
-            distilled = reverse_kl_rewards(batch[OLD_LOG_PROBS], batch[TEACHER_LOG_PROBS], mask)
-            batch[TOKEN_LEVEL_REWARDS] = task + self.config.coef * distilled
-        else:
-            batch[TOKEN_LEVEL_REWARDS] = task
-            batch[CANDIDATE_IDS] = batch[TEACHER_TOP_K_IDS]
+        if self._into_rewards:
+            batch[TOKEN_LEVEL_REWARDS] = self.config.task_reward_coef * batch[
+                TOKEN_LEVEL_REWARDS
+            ] + self._signal(batch)
         return metrics
+
+    def add_to_advantages(self, batch: TensorDict) -> None:
+        """After the estimator: the task's advantages weighted by ``task_reward_coef``, plus each token's
+        reverse-KL signal (``reverse_kl_as: advantage``); GKD's candidates for the update. Nothing with
+        ``reverse_kl_as: reward`` (the estimator took the signal)."""
+        if self._into_rewards:
+            return
+        advantages = self.config.task_reward_coef * batch[ADVANTAGES]
+        if self.config.loss == "reverse_kl":
+            advantages = advantages + self._signal(batch)
+        else:
+            batch[CANDIDATE_IDS] = batch[TEACHER_TOP_K_IDS]
+        batch[ADVANTAGES] = advantages
+
+    @property
+    def _into_rewards(self) -> bool:
+        return self.config.loss == "reverse_kl" and self.config.reverse_kl_as == "reward"
+
+    def _signal(self, batch: TensorDict) -> torch.Tensor:
+        """``coef * (log pi_teacher - log pi_student)`` of each sampled token (0 off the response mask)."""
+        return self.config.coef * reverse_kl_rewards(
+            batch[OLD_LOG_PROBS], batch[TEACHER_LOG_PROBS], batch[RESPONSE_MASK]
+        )

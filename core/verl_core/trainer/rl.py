@@ -290,6 +290,8 @@ class RLTrainer(Trainer):
                 values=batch[VALUES] if self.critic is not None else None,
                 config=self.config.algorithm,
             )
+            if self.teachers is not None:
+                self.teachers.add_to_advantages(batch)
 
         if self.critic is not None:
             with timer.phase("update_critic"):

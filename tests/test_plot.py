@@ -22,7 +22,15 @@ from verl_core.trainer.metrics import (
     VAL_SCORE_KEY,
     MetricsLogger,
 )
-from verl_core.trainer.plot import DPI, PANEL_SIZE, PANELS, PLOT_FILE, draw_curves, plot_run
+from verl_core.trainer.plot import (
+    DPI,
+    PANEL_SIZE,
+    PANELS,
+    PLOT_FILE,
+    draw_curves,
+    plot_run,
+    validation_series,
+)
 from verl_core.trainer.run_files import METRICS_FILE
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -151,3 +159,27 @@ def test_cli_plot_exits_2_with_the_reason(tmp_path, capsys):
 def test_cli_plot_without_run_dir_is_a_usage_error(capsys):
     assert main(["plot"]) == 2
     assert "RUN_DIR" in capsys.readouterr().err
+
+
+def test_validation_series_pairs_each_score_with_the_training_seconds_before_it():
+    records = [
+        {"step": 0, VAL_SCORE_KEY: 0.1},
+        {"step": 1, "perf/step_s": 0.5},
+        {"step": 2, "perf/step_s": 0.25, VAL_SCORE_KEY: 0.2},
+        {"step": 3, "perf/step_s": None},  # a step whose time was not a number: it adds nothing
+        {"step": 4, "perf/step_s": 1.0, VAL_SCORE_KEY: 0.4},
+    ]
+    assert validation_series(records, "m") == ([0, 2, 4], [0.1, 0.2, 0.4], [0.0, 0.75, 1.75])
+    with pytest.raises(VerlCoreError, match="m: no val/score/mean to compare"):
+        validation_series(records[1:2], "m")
+
+
+def test_cli_plot_of_several_runs_draws_their_comparison(tmp_path, capsys):
+    for name in ("a", "b"):
+        write_run(tmp_path / name, critic=False)
+    out = tmp_path / "both.png"
+    assert main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
+    assert capsys.readouterr().out == f"{out}\n"
+    assert png_size(out) == panels_px(columns=2, rows=1)
+    assert main(["plot", str(tmp_path / "a"), str(tmp_path / "nowhere"), "--out", str(out)]) == 2
+    assert "nowhere/metrics.jsonl: no such file" in capsys.readouterr().err

@@ -123,10 +123,7 @@ def draw_curves(
         ax.set_visible(False)
     if title:
         figure.suptitle(title)
-    path = Path(path)
-    partial = path.with_name(path.name + ".partial")
-    figure.savefig(partial, format="png", dpi=DPI)
-    os.replace(partial, path)
+    _save(figure, path)
     return tuple(panel.title for panel, _ in drawn)
 
 
@@ -140,17 +137,7 @@ def plot_comparison(run_dirs: Sequence[str | os.PathLike[str]], path: str | os.P
         source = Path(run_dir) / METRICS_FILE
         if not source.is_file():
             raise VerlCoreError(f"{source}: no such file: give the run folders of training runs")
-        records = read_records(source)
-        steps, scores = _series(records, VAL_SCORE_KEY, str(source))
-        if not steps:
-            raise VerlCoreError(
-                f"{source}: no {VAL_SCORE_KEY} to compare: the run never validated (trainer.test_freq)"
-            )
-        runs[str(run_dir)] = (
-            steps,
-            scores,
-            _training_seconds(records, steps, str(source)),
-        )
+        runs[str(run_dir)] = validation_series(read_records(source), str(source))
     figure_class, canvas_class, integer_ticks = _matplotlib()
     figure = figure_class(figsize=(PANEL_SIZE[0] * 2, PANEL_SIZE[1]), layout="constrained")
     canvas_class(figure)
@@ -165,6 +152,11 @@ def plot_comparison(run_dirs: Sequence[str | os.PathLike[str]], path: str | os.P
         ax.set_title(f"validation score ({VAL_SCORE_KEY})")
         ax.grid(True, alpha=0.3)
         ax.legend(loc="best", fontsize="small")
+    return _save(figure, path)
+
+
+def _save(figure: Any, path: str | os.PathLike[str]) -> Path:
+    """``figure`` as the PNG ``path``, replaced atomically."""
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
     figure.savefig(partial, format="png", dpi=DPI)
@@ -172,12 +164,21 @@ def plot_comparison(run_dirs: Sequence[str | os.PathLike[str]], path: str | os.P
     return path
 
 
-def _training_seconds(records: Sequence[dict[str, Any]], steps: Sequence[int], source: str) -> list[float]:
-    """The sum of ``perf/step_s`` over the steps up to each of ``steps`` (0 before the first)."""
+def validation_series(
+    records: Sequence[dict[str, Any]], source: str
+) -> tuple[list[int], list[float], list[float]]:
+    """A run's validation steps, its scores there and the training seconds by then (the sum of
+    ``perf/step_s`` over the steps up to each, 0 before the first); a ``VerlCoreError`` naming
+    ``source`` when it has no validation score."""
+    steps, scores = _series(records, VAL_SCORE_KEY, source)
+    if not steps:
+        raise VerlCoreError(
+            f"{source}: no {VAL_SCORE_KEY} to compare: the run never validated (trainer.test_freq)"
+        )
     trained, seconds = _series(records, "perf/step_s", source)
     cumulative = list(itertools.accumulate(0.0 if math.isnan(value) else value for value in seconds))
     at = [bisect.bisect_right(trained, step) for step in steps]  # training steps done by then
-    return [cumulative[done - 1] if done else 0.0 for done in at]
+    return steps, scores, [cumulative[done - 1] if done else 0.0 for done in at]
 
 
 def _series(records: Sequence[dict[str, Any]], key: str, source: str) -> tuple[list[int], list[float]]:

@@ -320,8 +320,9 @@ def test_load_config_reads_dump_yaml_back(config):
     assert yaml.safe_load(dump_yaml(config)) == unstructure(config)  # a YAML 1.1 reader agrees
 
 
-#: Mappings of a config that are values, not sections: free-form options, Ray resources by name.
-FREE_FORM = ("extra", "replica_resources", "rank_resources")
+#: Mappings of a config that are values, not sections: free-form options, Ray resources by name, the
+#: distillation teachers by name (a new key is a new teacher).
+FREE_FORM = ("extra", "replica_resources", "rank_resources", "teachers")
 
 
 def sections(data: dict, path: str = "") -> list[str]:

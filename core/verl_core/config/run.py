@@ -305,7 +305,7 @@ class TrainerConfig:
     #: The run's name in the trackers; ``None``: the run folder's name.
     experiment_name: str | None = None
     #: Where the ``mlflow`` sink records: a tracking server (``http://127.0.0.1:5000``) or a store
-    #: (``file:/path/mlruns``); ``None``: ``run_dir/mlruns``.
+    #: (``sqlite:////path/mlflow.db``); ``None``: ``run_dir/mlflow.db``.
     tracking_uri: str | None = None
 
     def check(self) -> Iterator[tuple[str, str]]:

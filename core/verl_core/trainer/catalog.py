@@ -38,7 +38,7 @@ METRIC_SINKS: tuple[MetricSink, ...] = (
     _extra(
         "mlflow",
         "verl_core.trainer.trackers:MlflowSink",
-        "an MLflow run at trainer.tracking_uri (default RUN_DIR/mlruns)",
+        "an MLflow run at trainer.tracking_uri (default RUN_DIR/mlflow.db)",
     ),
     _extra("trackio", "verl_core.trainer.trackers:TrackioSink", "a trackio run, local (trackio show)"),
 )

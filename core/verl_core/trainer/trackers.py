@@ -19,6 +19,8 @@ from verl_core.trainer.sinks import BaseMetricSink, SinkRun, finite, flat_params
 
 #: Columns of the validation samples' table, in order (the rows' other keys follow).
 SAMPLE_COLUMNS = ("step", "prompt", "response", "score")
+#: The ``mlflow`` sink's database in the run folder when ``trainer.tracking_uri`` is not set.
+MLFLOW_DB = "mlflow.db"
 #: Seconds a tracking server has to answer the check made when a sink starts.
 SERVER_CHECK_TIMEOUT_S = 5.0
 
@@ -83,15 +85,16 @@ _MLFLOW_NAME = re.compile(r"[^\w\-. /]")
 
 class MlflowSink(BaseMetricSink):
     """MLflow: a run in the experiment ``trainer.project_name`` named ``trainer.experiment_name``, at
-    ``trainer.tracking_uri`` (a tracking server's ``http://host:port``, or a store such as
-    ``file:/path/mlruns``), by default ``RUN_DIR/mlruns``. The resolved config is its parameters, the
-    validation samples a table per validation, the curves an artifact. A tracking server that does not
-    answer when the run starts is named in the sink's warning. A resumed run continues the same MLflow
-    run (its id kept in ``RUN_DIR/tracking/mlflow.json``)."""
+        ``trainer.tracking_uri`` (a tracking server's ``http://host:port``, or a store such as
+        ``sqlite:////path/mlflow.db``), by default the database ``RUN_DIR/mlflow.db`` (files in
+    ``RUN_DIR/mlartifacts``). The resolved config is its parameters, the
+        validation samples a table per validation, the curves an artifact. A tracking server that does not
+        answer when the run starts is named in the sink's warning. A resumed run continues the same MLflow
+        run (its id kept in ``RUN_DIR/tracking/mlflow.json``)."""
 
     def __init__(self, run: SinkRun) -> None:
         super().__init__(run)
-        uri = run.tracking_uri or (run.run_dir / "mlruns").resolve().as_uri()
+        uri = run.tracking_uri or f"sqlite:///{(run.run_dir / MLFLOW_DB).resolve()}"
         self.where = uri
         if uri.startswith(("http://", "https://")):
             check_server(uri.rstrip("/") + "/health", uri)
@@ -105,12 +108,21 @@ class MlflowSink(BaseMetricSink):
             return
         experiment = client.get_experiment_by_name(run.project)
         experiment_id = (
-            experiment.experiment_id if experiment is not None else client.create_experiment(run.project)
+            experiment.experiment_id
+            if experiment is not None
+            else client.create_experiment(run.project, artifact_location=self._artifacts(uri))
         )
         self.run_id = client.create_run(experiment_id, run_name=run.name).info.run_id
         params = [Param(key, str(value)[:6000]) for key, value in flat_params(run.config).items()]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters a call
             client.log_batch(self.run_id, params=params[start : start + 100])
+
+    def _artifacts(self, uri: str) -> str | None:
+        """Where a new experiment's files go: beside a local database in the run folder
+        (``RUN_DIR/mlartifacts``), the server's or the store's choice otherwise."""
+        return (
+            (self.run.run_dir / "mlartifacts").resolve().as_uri() if self.run.tracking_uri is None else None
+        )
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         from mlflow.entities import Metric

@@ -1,6 +1,7 @@
 """Every developer and CI task of this repository. Plain ``nox`` is the full CI run.
 
 Sessions (``nox -l`` lists them): ``lint``, ``tests``, ``vllm`` (the vLLM rollout on vLLM's CPU build),
+``tracking`` (the wandb, MLflow and trackio sinks against the real libraries),
 ``build``, ``install_check`` (builds first),
 ``released_plugins`` (the last release's plugins on this core), ``bench``, and ``demo`` (the main job:
 README). ``nox -r`` reuses the virtual environments of a previous run. Every environment gets
@@ -30,7 +31,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 nox.needs_version = ">=2024.4.15"  # session ``requires``
-nox.options.sessions = ["lint", "tests", "vllm", "install_check"]
+nox.options.sessions = ["lint", "tests", "vllm", "tracking", "install_check"]
 
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"
@@ -108,6 +109,23 @@ def _pytest(session: nox.Session, *args: str) -> None:
         session.error(
             f"{len(left)} process(es) started by the tests outlived them (killed now):\n" + "\n".join(left)
         )
+
+
+#: The experiment trackers of core's metric sinks, as extras (docs/tracking.md).
+TRACKER_EXTRAS = "wandb,mlflow,trackio"
+
+
+@nox.session(python=PYTHON)
+def tracking(session: nox.Session) -> None:
+    """The experiment trackers' tests (tests/test_tracking.py) with wandb, MLflow and trackio
+    installed, in an environment of their own: MLflow alone adds about 650 MB (pandas, scipy,
+    scikit-learn, SQLAlchemy, Flask) that the ``tests`` session does not need (it runs them skipped).
+    Arguments after ``--`` go to pytest."""
+    session.install(NO_COMPILE, TORCH)
+    editables = [arg for plugin in PLUGINS for arg in ("-e", _relative(plugin))]
+    session.install(NO_COMPILE, "-e", f".[test,{TRACKER_EXTRAS}]", *editables)
+    _cache_bytecode(session)
+    _pytest(session, "tests/test_tracking.py", "--durations=10", *session.posargs)
 
 
 #: What vLLM's CPU build pulls in that a text model does not use and that breaks its import: PyPI's

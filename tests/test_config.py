@@ -163,7 +163,7 @@ def test_overrides_set_scalars_null_lists_items_and_new_sections(tmp_path):
                 "data.shuffle=false",
                 "trainer.total_training_steps=null",
                 "trainer.resume_from_path=",
-                "trainer.logger=[console, tensorboard]",
+                "trainer.logger=[]",
                 "data.train_files[0]=c.jsonl",
                 "data.train_files[2]=d.jsonl",
                 "data.val_files[0]=v.jsonl",
@@ -176,7 +176,7 @@ def test_overrides_set_scalars_null_lists_items_and_new_sections(tmp_path):
     assert config.rollout.temperature == 0.7
     assert config.data.shuffle is False
     assert config.trainer.total_training_steps is None and config.trainer.resume_from_path is None
-    assert config.trainer.logger == ["console", "tensorboard"]
+    assert config.trainer.logger == []
     assert config.data.train_files == ["c.jsonl", "b.jsonl", "d.jsonl"]
     assert config.data.val_files == ["v.jsonl"]
     assert config.ref.engine == EngineConfig(

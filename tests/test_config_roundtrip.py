@@ -252,6 +252,12 @@ rewards = st.builds(
     function=st.sampled_from(REGISTRY.names(Kind.REWARD_FUNCTIONS)),
     on_error=literal(field_type(RewardConfig, "on_error")),
 )
+#: The metric sinks installed here (``tensorboard`` and the trackers are extras): a config naming
+#: another is refused when it loads.
+AVAILABLE_SINKS = [
+    entry.name for entry in Registry.from_plugins().entries(Kind.METRIC_SINKS) if entry.status == "ok"
+]
+
 trainers = st.builds(
     TrainerConfig,
     total_epochs=st.integers(1, 10),
@@ -262,7 +268,7 @@ trainers = st.builds(
     resume_mode=st.sampled_from(["auto", "disable"]),
     resume_from_path=st.none() | texts,
     seed=st.integers(0, 2**32),
-    logger=st.lists(st.sampled_from(["console", "tensorboard"]), max_size=2),
+    logger=st.lists(st.sampled_from(AVAILABLE_SINKS), max_size=2),
 )
 
 

@@ -22,7 +22,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).parents[1]
-PAGES = ["README.md", "docs/quickstart.md", "docs/training.md", "docs/sft.md", "docs/embedding.md"]
+PAGES = [
+    "README.md",
+    "docs/quickstart.md",
+    "docs/training.md",
+    "docs/sft.md",
+    "docs/embedding.md",
+    "docs/tracking.md",
+]
 
 #: Commands whose first words say they are not for this test, and why.
 NOT_RUN = {

@@ -37,6 +37,7 @@ KINDS = [
     "reward_functions",
     "environments",
     "weight_transports",
+    "metric_sinks",
 ]
 
 
@@ -377,7 +378,7 @@ def test_kind_constants_are_the_registry_kinds():
 
     constants = [hookspecs.ENGINE_BACKENDS, hookspecs.ADVANTAGE_ESTIMATORS, hookspecs.POLICY_LOSSES]
     constants += [hookspecs.ROLLOUT_BACKENDS, hookspecs.REWARD_FUNCTIONS, hookspecs.ENVIRONMENTS]
-    constants += [hookspecs.WEIGHT_TRANSPORTS]
+    constants += [hookspecs.WEIGHT_TRANSPORTS, hookspecs.METRIC_SINKS]
     assert constants == Registry.from_plugins().kinds
 
 

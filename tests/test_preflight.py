@@ -7,6 +7,7 @@ silently until a worker hit it) before these checks existed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -17,7 +18,7 @@ from fixtures.demo import build_small_demo, run_overrides
 from verl_core.cli import main
 from verl_core.config import load_config
 from verl_core.errors import ConfigError
-from verl_core.trainer import preflight as preflight_module
+from verl_core.plugins import get_registry
 from verl_core.trainer.preflight import check_run, trainer_kind
 
 DEMO_SFT = Path(__file__).parents[1] / "examples" / "demo" / "sft.yaml"
@@ -184,14 +185,26 @@ def test_a_checkpoint_dir_that_cannot_be_created_or_belongs_to_another_run(demo,
 
 
 def test_a_logger_whose_package_is_missing(demo, tmp_path, capsys, monkeypatch) -> None:
-    real = preflight_module.importlib.util.find_spec
+    real = importlib.util.find_spec
     monkeypatch.setattr(
-        preflight_module.importlib.util,
-        "find_spec",
-        lambda name: None if name == "tensorboard" else real(name),
+        importlib.util, "find_spec", lambda name, *args: None if name == "wandb" else real(name, *args)
     )
-    errors = config_errors(capsys, *run_overrides(demo, tmp_path, **{"trainer.logger": "[tensorboard]"}))
-    assert 'pip install "verl-core[tensorboard]"' in errors["trainer.logger"]
+    get_registry(refresh=True)  # the registry sees what is installed when it is built
+    try:
+        errors = config_errors(
+            capsys, *run_overrides(demo, tmp_path, **{"trainer.logger": "[console, wandb]"})
+        )
+    finally:
+        monkeypatch.undo()
+        get_registry(refresh=True)
+    assert "metric sink 'wandb'" in errors["trainer.logger"]
+    assert 'pip install "verl-core[wandb]"' in errors["trainer.logger"]
+
+
+def test_an_unknown_logger_is_refused_with_the_close_match(demo, tmp_path, capsys) -> None:
+    errors = config_errors(capsys, *run_overrides(demo, tmp_path, **{"trainer.logger": "[console, mlflw]"}))
+    assert "Unknown metric sink 'mlflw'" in errors["trainer.logger"]
+    assert "did you mean 'mlflow'?" in errors["trainer.logger"]
 
 
 def test_the_checks_find_every_problem_of_one_config(demo, tmp_path) -> None:

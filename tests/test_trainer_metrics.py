@@ -5,6 +5,7 @@ unknown logger names, the progress bar, and ``write_jsonl`` for validation gener
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import resource
@@ -15,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_core.config.run import LOGGERS
 from verl_core.errors import ConfigError, VerlCoreError
 from verl_core.trainer import timing
 from verl_core.trainer.metrics import (
@@ -245,20 +245,16 @@ def test_forced_progress_bar_shows_step_total_reward_and_throughput(tmp_path, ca
 
 def test_unknown_logger_names_are_errors_at_trainer_logger(tmp_path):
     with pytest.raises(ConfigError) as raised:
-        MetricsLogger(tmp_path, ["console", "tensorbord", "wandb"], total_steps=3)
+        MetricsLogger(tmp_path, ["console", "consol", "wandbb"], total_steps=3)
     assert [path for path, _ in raised.value.errors] == ["trainer.logger", "trainer.logger"]
     message = str(raised.value)
-    assert (
-        "unknown logger 'tensorbord' (did you mean 'tensorboard'?); use one of console, tensorboard"
-        in message
-    )
-    assert (
-        "unknown logger 'wandb'; use one of console, tensorboard; metrics.jsonl in the run folder" in message
-    )
+    assert "Unknown metric sink 'consol' (from trainer.logger) (did you mean 'console'?)" in message
+    assert "Unknown metric sink 'wandbb' (from trainer.logger) (did you mean 'wandb'?)" in message
+    assert "Installed metric sinks: console (verl-core" in message
+    assert "metrics.jsonl in the run folder is written in any case" in message
     assert not (tmp_path / METRICS_FILE).exists()
     assert check_loggers("console") == ("console",)
     assert check_loggers([]) == ()
-    assert set(LOGGERS) == {"console", "tensorboard"}
 
 
 # -- TensorBoard ----------------------------------------------------------------------------------
@@ -281,15 +277,28 @@ def test_tensorboard_events_hold_every_scalar(tmp_path):
 
 
 def test_missing_tensorboard_is_a_clear_error_before_anything_is_written(tmp_path, monkeypatch):
+    if importlib.util.find_spec("tensorboard") is None:  # the registry refuses it, naming the extra
+        with pytest.raises(
+            ConfigError, match=r'needs the module .tensorboard.*pip install "verl-core\[tensorboard\]"'
+        ):
+            MetricsLogger(tmp_path / "run", ["console", "tensorboard"], total_steps=3)
+        assert not (tmp_path / "run").exists()
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # ``import`` raises ImportError
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: object())  # installed, broken
     with pytest.raises(VerlCoreError) as raised:
-        MetricsLogger(tmp_path / "run", ["console", "tensorboard"], total_steps=3)
+        MetricsLogger(tmp_path / "run", ["console", "tensorboard"], total_steps=3, registry=fresh_registry())
     message = str(raised.value)
     assert "trainer.logger names 'tensorboard', but TensorBoard cannot be imported" in message
     assert "pip install tensorboard" in message
     assert "remove 'tensorboard' from trainer.logger" in message
     assert isinstance(raised.value.__cause__, ImportError)
     assert not (tmp_path / "run").exists()
+
+
+def fresh_registry():
+    from verl_core.plugins.registry import Registry
+
+    return Registry.from_plugins()
 
 
 # -- validation generations -----------------------------------------------------------------------

@@ -7,6 +7,7 @@ from verl_core.algos import catalog
 from verl_core.descriptors import (
     AdvantageEstimator,
     Environment,
+    MetricSink,
     PolicyLoss,
     RewardFunction,
     RolloutBackend,
@@ -15,6 +16,7 @@ from verl_core.descriptors import (
 from verl_core.hookspecs import hookimpl
 from verl_core.reward import catalog as reward_catalog
 from verl_core.rollout import catalog as rollout_catalog
+from verl_core.trainer import catalog as trainer_catalog
 
 
 @hookimpl
@@ -45,3 +47,8 @@ def verl_environments() -> list[Environment]:
 @hookimpl
 def verl_weight_transports() -> list[WeightTransport]:
     return list(rollout_catalog.WEIGHT_TRANSPORTS)
+
+
+@hookimpl
+def verl_metric_sinks() -> list[MetricSink]:
+    return list(trainer_catalog.METRIC_SINKS)

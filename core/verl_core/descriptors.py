@@ -509,3 +509,30 @@ class WeightTransport:
 
     def load(self) -> type:
         return load_object(self.transport)
+
+
+@attrs.frozen
+class MetricSink:
+    """A place a run's metrics go besides ``RUN_DIR/metrics.jsonl`` (always written), selected by
+    naming it in ``trainer.logger``: core's built-ins ``console``, ``tensorboard``, ``wandb``,
+    ``mlflow`` and ``trackio``.
+
+    ``sink`` names a ``verl_core.trainer.sinks.BaseMetricSink`` subclass, constructed with the run's
+    ``SinkRun`` when training starts; it receives every step's scalars, the validation samples, and the
+    curves' picture at the end. ``background``: the sink runs in a thread of its own behind a bounded
+    queue, so that a slow or failing tracker never holds a step (``console`` runs in the trainer's
+    thread, above the progress bar). ``requires`` are top-level modules the sink imports that verl-core
+    does not depend on; while one is missing the sink is listed ``unavailable`` and naming it is refused
+    with ``install``, the command that provides them.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    sink: Loadable = attrs.field(validator=_check_loadable)
+    description: str = ""
+    background: bool = True
+    requires: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
+    install: str = ""
+    override: bool = False
+
+    def load(self) -> type:
+        return load_object(self.sink)

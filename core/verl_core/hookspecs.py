@@ -16,6 +16,7 @@ from verl_core.descriptors import (
     Choice,
     EngineBackend,
     Environment,
+    MetricSink,
     PolicyLoss,
     RewardFunction,
     RolloutBackend,
@@ -32,6 +33,7 @@ __all__ = [
     "verl_reward_functions",
     "verl_rollout_backends",
     "verl_weight_transports",
+    "verl_metric_sinks",
 ]
 
 PROJECT_NAME = "verl_core"
@@ -50,6 +52,7 @@ class Kind(Choice):
     REWARD_FUNCTIONS = "reward_functions"
     ENVIRONMENTS = "environments"
     WEIGHT_TRANSPORTS = "weight_transports"
+    METRIC_SINKS = "metric_sinks"
 
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -138,6 +141,18 @@ def verl_weight_transports() -> list[WeightTransport]:
 
     Called once per plugin when the registry is built; the transport class is imported when a run
     selects it. Failures make the plugin ``broken``, as for ``verl_engine_backends``.
+    """
+
+
+@hookspec
+def verl_metric_sinks() -> list[MetricSink]:
+    """Return the metric sinks (experiment trackers, dashboards) this plugin provides.
+
+    :return: a list (or tuple) of ``MetricSink``, selected by naming them in ``trainer.logger``.
+
+    Called once per plugin when the registry is built; the sink class is imported when a run names
+    it. Failures make the plugin ``broken``, as for ``verl_engine_backends``; a sink whose
+    ``requires`` are not installed is listed ``unavailable`` and refused with its ``install`` command.
     """
 
 

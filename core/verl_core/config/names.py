@@ -62,6 +62,11 @@ def registered(kind: str, default: str, *, files: bool = False) -> Any:
     return attrs.field(default=default, metadata={METADATA_KEY: Registered(kind, files)})
 
 
+def registered_list(kind: str, default: list[str]) -> Any:
+    """Like ``registered``, for a field holding a list of names, each looked up (``trainer.logger``)."""
+    return attrs.field(factory=lambda: list(default), metadata={METADATA_KEY: Registered(kind)})
+
+
 def one_line(error: BaseException) -> str:
     """A registry error as one line of a config error: its lines joined, nothing dropped."""
     return " ".join(str(error).splitlines())

@@ -11,7 +11,6 @@ overrides, error reporting and unstructuring need no other change; list the key 
 from __future__ import annotations
 
 import contextvars
-import typing
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,7 +18,7 @@ import attrs
 
 from verl_core.config.algorithm import AlgorithmConfig, CriticLossConfig, PolicyLossConfig
 from verl_core.config.engine import DtypeName, EngineConfig, ModelConfig
-from verl_core.config.names import current_registry, functions_file_problem, registered
+from verl_core.config.names import current_registry, functions_file_problem, registered, registered_list
 from verl_core.config.validators import (
     InvalidValue,
     each_rule,
@@ -242,11 +241,6 @@ class DataConfig:
     seed: int = 0
 
 
-#: The metric sinks ``trainer.logger`` may name (``metrics.jsonl`` is written whatever it names).
-Logger = Literal["console", "tensorboard"]
-LOGGERS: tuple[str, ...] = typing.get_args(Logger)
-
-
 #: The default object store of a local Ray cluster (Ray's own would take 30% of the machine's memory).
 LOCAL_OBJECT_STORE_MEGABYTES = 256
 
@@ -269,8 +263,9 @@ class TrainerConfig:
     #: Keep the newest this many checkpoints in ``checkpoint_dir``; 0 keeps all.
     max_checkpoints: int = attrs.field(default=0, validator=non_negative)
     seed: int = 0
-    #: Metric sinks besides ``run_dir/metrics.jsonl`` (always written): ``console``, ``tensorboard``.
-    logger: list[Logger] = attrs.field(factory=lambda: ["console"])
+    #: Metric sinks besides ``run_dir/metrics.jsonl`` (always written), each a registered sink
+    #: (``verl-core plugins --all``): ``console``, ``tensorboard``, ``wandb``, ``mlflow``, ``trackio``.
+    logger: list[str] = registered_list(Kind.METRIC_SINKS, ["console"])
     #: The run folder: ``metrics.jsonl``, TensorBoard events, validation samples, ``curves.png``, the final export.
     run_dir: str = attrs.field(default="runs/latest", validator=non_empty)
     #: Where the roles run: ``ray`` (a worker group of Ray actors) or ``in_process`` (one rank, no Ray).
@@ -305,6 +300,13 @@ class TrainerConfig:
     #: per batch generated ahead (``async_training.max_staleness`` + 1 at most); what does not fit
     #: spills to disk.
     ray_object_store_megabytes: int = attrs.field(default=LOCAL_OBJECT_STORE_MEGABYTES, validator=positive)
+    #: The experiment trackers' project (wandb's project, MLflow's experiment, trackio's project).
+    project_name: str = attrs.field(default="verl-core", validator=non_empty)
+    #: The run's name in the trackers; ``None``: the run folder's name.
+    experiment_name: str | None = None
+    #: Where the ``mlflow`` sink records: a tracking server (``http://127.0.0.1:5000``) or a store
+    #: (``sqlite:////path/mlflow.db``); ``None``: ``run_dir/mlflow.db``.
+    tracking_uri: str | None = None
 
     def check(self) -> Iterator[tuple[str, str]]:
         if self.resume_mode == "resume_path" and not self.resume_from_path:

@@ -342,8 +342,11 @@ def _field_problem(instance: Any, field: attrs.Attribute) -> tuple[str, str] | N
         except Exception as exc:
             return field.name, str(exc)
     spec = field.metadata.get(names.METADATA_KEY)
-    if spec is not None and isinstance(value, str):
-        problem = names.name_problem(names.current_registry(), spec, value)
+    listed = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+    for name in listed:
+        if spec is None or not isinstance(name, str):
+            continue
+        problem = names.name_problem(names.current_registry(), spec, name)
         if problem is not None:
             return field.name, problem
     return None

@@ -13,7 +13,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 PREFIX = "verl-core: "
 #: Characters of a prompt or response shown on the console (the run folder keeps them whole).
@@ -32,6 +32,15 @@ def say(message: str) -> None:
         sys.stderr.flush()
     else:
         print(PREFIX + message, file=sys.stderr, flush=True)
+
+
+def write(line: str, stream: TextIO) -> None:
+    """``line`` as it is on ``stream`` (a metric line on stdout), above the progress bar while one shows."""
+    bar = _bar
+    if bar is not None:
+        bar.write(line, file=stream)
+    else:
+        print(line, file=stream, flush=True)
 
 
 def set_progress_bar(bar: Any) -> None:

@@ -21,14 +21,21 @@ from typing import Any
 
 import attrs
 
+from verl_core.config.convert import unstructure
 from verl_core.config.loading import fill_total_steps
 from verl_core.config.run import RunConfig
 from verl_core.data.sampler import EpochSampler
-from verl_core.errors import ConfigError, NothingToTrain
+from verl_core.errors import ConfigError, NothingToTrain, VerlCoreError
 from verl_core.toolkit.checkpoint import read_checkpoint_info
 from verl_core.trainer import checkpoints, console
 from verl_core.trainer.metrics import MetricsLogger
-from verl_core.trainer.run_files import METRICS_FILE, exported_step, read_records, record_export
+from verl_core.trainer.run_files import (
+    METRICS_FILE,
+    exported_step,
+    read_records,
+    record_export,
+    validation_samples_path,
+)
 from verl_core.trainer.run_lock import RunLock
 
 #: Where the final Hugging Face export goes, inside the run folder.
@@ -214,10 +221,14 @@ class Trainer(abc.ABC):
             self.total_steps,
             show_progress=self.show_progress,
             start_step=self.global_step,
+            config=unstructure(self.config),
+            project=trainer.project_name,
+            experiment_name=trainer.experiment_name,
+            tracking_uri=trainer.tracking_uri,
         ) as logger:
             if self.global_step == 0 and self.val_data is not None and trainer.test_freq:
                 self.stage = "while validating before the first step"
-                logger.log(0, self.validate(0))  # where the curves start
+                logger.log(0, self._validate_and_log_samples(logger, 0))  # where the curves start
                 self.stage = None
             while self.global_step < self.total_steps:
                 step = self.global_step + 1
@@ -230,12 +241,33 @@ class Trainer(abc.ABC):
                     and (step % trainer.test_freq == 0 or last)
                 ):
                     self.stage = f"while validating after step {step} of {self.total_steps}"
-                    metrics |= self.validate(step)
+                    metrics |= self._validate_and_log_samples(logger, step)
                 logger.log(step, metrics)
                 if trainer.save_freq and (step % trainer.save_freq == 0 or last):
                     self.stage = f"while saving the checkpoint of step {step} of {self.total_steps}"
                     self.save_checkpoint(step)
                 self.stage = None
+            if logger.has_trackers:
+                self._curves_to_trackers(logger)
+        return metrics
+
+    def _curves_to_trackers(self, logger: MetricsLogger) -> None:
+        """Draw the curves (``RUN_DIR/curves.png``) and hand the picture to the trackers; a picture that
+        cannot be drawn is a warning."""
+        from verl_core.trainer.plot import plot_run
+
+        try:
+            logger.log_artifact(plot_run(self.run_dir))
+        except VerlCoreError as error:
+            console.warn(f"no curves for the metric sinks: {error}")
+
+    def _validate_and_log_samples(self, logger: MetricsLogger, step: int) -> dict[str, float]:
+        """``validate(step)``; the samples it wrote (``validation/step_N.jsonl``) go to the sinks."""
+        started = time.time()
+        metrics = self.validate(step)
+        samples = validation_samples_path(self.run_dir, step)
+        if samples.is_file() and samples.stat().st_mtime >= started - 1:  # written now, not by an older run
+            logger.log_samples(step, read_records(samples))
         return metrics
 
 

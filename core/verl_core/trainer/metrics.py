@@ -5,8 +5,10 @@ to ``MetricsLogger.log``, which
 
 - appends one JSON object to ``RUN_DIR/metrics.jsonl``, always: ``verl-core plot`` redraws the curves
   from it, and a resumed run continues it;
-- prints one line when ``console`` is in ``trainer.logger``;
-- writes TensorBoard scalars under ``RUN_DIR/tensorboard/`` when ``tensorboard`` is;
+- hands them to the metric sinks ``trainer.logger`` names (``verl_core.trainer.sinks``: ``console``
+  prints one line, ``tensorboard`` writes scalars under ``RUN_DIR/tensorboard/``, the trackers
+  ``wandb``, ``mlflow`` and ``trackio`` record them in threads of their own), with the validation
+  samples (``log_samples``) and, at the end of the run, the curves' picture (``finish``);
 - moves a progress bar (step/total, reward, tokens/s, ETA) on stderr when that is a terminal, and
   otherwise, when no console line is printed either, writes a plain progress line every tenth of the
   run (and at least every ``PROGRESS_EVERY_S`` seconds), so that a run under a pipe is never silent.
@@ -23,15 +25,19 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from verl_core.config.run import LOGGERS
 from verl_core.errors import ConfigError, VerlCoreError
+from verl_core.hookspecs import Kind
 from verl_core.trainer import console
-from verl_core.trainer.run_files import METRICS_FILE, TENSORBOARD_DIR, read_records, write_jsonl
+from verl_core.trainer.run_files import METRICS_FILE, read_records, write_jsonl
+from verl_core.trainer.sinks import BaseMetricSink, SinkChannel, SinkRun
+
+if TYPE_CHECKING:
+    from verl_core.plugins import Registry
 from verl_core.trainer.timing import STEP_TIME_KEY, TOKENS_PER_S_KEY
 
 #: The mean score of the step's responses as the reward function gave them (before any KL penalty).
@@ -62,32 +68,41 @@ PROGRESS_EVERY_S = 30.0
 # -- the metric sinks -----------------------------------------------------------------------------
 
 
-def check_loggers(loggers: str | Iterable[str]) -> tuple[str, ...]:
-    """``trainer.logger`` as a tuple of known sink names, or a ``ConfigError`` at ``trainer.logger``
-    naming each unknown one with the close match."""
-    names = (loggers,) if isinstance(loggers, str) else tuple(loggers)
-    unknown = [name for name in names if name not in LOGGERS]
-    if unknown:
-        from verl_core.config.validators import unknown_choice_message  # config loads cattrs and yaml
+def check_loggers(loggers: str | Iterable[str], registry: Registry | None = None) -> tuple[str, ...]:
+    """``trainer.logger`` as a tuple of sink names the registry provides (default: the installed
+    plugins'), or a ``ConfigError`` at ``trainer.logger`` for each it refuses: an unknown name (with the
+    close match and the installed sinks), a sink whose package is not installed (with the pip command)."""
+    from verl_core.plugins.registry import registry_or_installed
 
-        note = f"{METRICS_FILE} in the run folder is written in any case"
-        raise ConfigError(
-            [("trainer.logger", unknown_choice_message("logger", name, LOGGERS, note)) for name in unknown]
-        )
+    names = (loggers,) if isinstance(loggers, str) else tuple(loggers)
+    registry = registry_or_installed(registry)
+    problems = []
+    for name in names:
+        try:
+            registry.entry(Kind.METRIC_SINKS, name, where="trainer.logger")
+        except VerlCoreError as error:
+            note = f"{METRICS_FILE} in the run folder is written in any case"
+            problems.append(("trainer.logger", " ".join(str(error).splitlines()) + f" ({note})"))
+    if problems:
+        raise ConfigError(problems)
     return names
 
 
 class MetricsLogger:
     """Every step's metrics to ``run_dir/metrics.jsonl`` and the sinks ``loggers`` names.
 
-    ``loggers`` is ``trainer.logger`` (see ``LOGGERS``); ``total_steps`` the run's length, for the
-    console line and the progress bar. ``start_step`` is the step the run resumes after (the
-    checkpoint's step), 0 for a fresh run: lines of later steps already in ``metrics.jsonl`` are
-    dropped, so that the steps the resumed run repeats are not there twice, and a fresh run starts
-    the file over. TensorBoard hides its events of those steps likewise (``purge_step``).
+    ``loggers`` is ``trainer.logger``: names of metric sinks (``check_loggers``), looked up in
+    ``registry`` (default: the installed plugins'); ``total_steps`` the run's length, for the console
+    line and the progress bar. ``start_step`` is the step the run resumes after (the checkpoint's
+    step), 0 for a fresh run: lines of later steps already in ``metrics.jsonl`` are dropped, so that
+    the steps the resumed run repeats are not there twice, and a fresh run starts the file over; each
+    sink continues its own record likewise (``verl_core.trainer.sinks``). ``config`` (the resolved
+    run config as plain data), ``project``, ``experiment_name`` (default: the run folder's name) and
+    ``tracking_uri`` are what the trackers record the run under (``SinkRun``).
 
     The progress bar is shown on stderr when ``show_progress`` is true and stderr is a terminal, and
-    always with ``force_progress``. Call ``close()`` at the end, or use the logger as a context manager.
+    always with ``force_progress``. Call ``finish()`` when the run has trained its last step, and
+    ``close()`` at the end, or use the logger as a context manager.
     """
 
     def __init__(
@@ -99,24 +114,43 @@ class MetricsLogger:
         *,
         start_step: int = 0,
         force_progress: bool = False,
+        config: Mapping[str, Any] | None = None,
+        project: str = "verl-core",
+        experiment_name: str | None = None,
+        tracking_uri: str | None = None,
+        registry: Registry | None = None,
     ) -> None:
-        self.loggers = check_loggers(loggers)
+        from verl_core.plugins.registry import registry_or_installed
+
+        registry = registry_or_installed(registry)
+        self.loggers = check_loggers(loggers, registry)
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / METRICS_FILE
         self.total_steps = total_steps
-        # TensorBoard first: a missing package fails before any file is touched.
-        self._writer = (
-            _tensorboard_writer(
-                self.run_dir / TENSORBOARD_DIR, purge_step=start_step + 1 if start_step else 0
-            )
-            if "tensorboard" in self.loggers
-            else None
-        )
+        self._channels: list[SinkChannel] = []
         self._file: TextIO | None = None
         self._bar: Any = None
+        run = SinkRun(
+            run_dir=self.run_dir,
+            project=project,
+            name=experiment_name or self.run_dir.resolve().name,
+            tracking_uri=tracking_uri,
+            config=dict(config or {}),
+            start_step=start_step,
+            total_steps=total_steps,
+        )
+        entries = [registry.entry(Kind.METRIC_SINKS, name, where="trainer.logger") for name in self.loggers]
         try:
+            # The sinks made in this thread first (TensorBoard): one that cannot start fails before any
+            # file is touched. The trackers start in their threads once metrics.jsonl is settled.
+            for entry in entries:
+                if not entry.descriptor.background:
+                    self._channels.append(SinkChannel(entry.name, entry.load("sink"), run, background=False))
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self.truncate_after(start_step if start_step > 0 else -1)
+            for entry in entries:
+                if entry.descriptor.background:
+                    self._channels.append(SinkChannel(entry.name, entry.load("sink"), run, background=True))
         except BaseException:
             self.close()
             raise
@@ -150,8 +184,8 @@ class MetricsLogger:
         self._file = self.path.open("a", encoding="utf-8")
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Record the metrics of ``step``: one line in ``metrics.jsonl`` (flushed), the console line,
-        TensorBoard scalars, the progress bar.
+        """Record the metrics of ``step``: one line in ``metrics.jsonl`` (flushed), then the sinks (the
+        console line, TensorBoard scalars, the trackers), the progress bar.
 
         Values are numbers (0-d tensors and NumPy scalars count). NaN and infinities are written to
         the JSONL file as ``null``, with a note on stderr naming them.
@@ -171,13 +205,9 @@ class MetricsLogger:
         self._file.flush()
         if not_finite:
             listed = ", ".join(f"{key}={values[key]}" for key in not_finite)
-            self._write(f"note: step {step}: {listed}: written as null in {self.path}", sys.stderr)
-        if "console" in self.loggers:
-            self._write(console_line(step, self.total_steps, values), sys.stdout)
-        if self._writer is not None:
-            for key, value in values.items():
-                self._writer.add_scalar(key, value, step)
-            self._writer.flush()
+            console.write(f"note: step {step}: {listed}: written as null in {self.path}", sys.stderr)
+        for channel in self._channels:
+            channel.send("log_metrics", step, values)
         if self._progress_every:
             self._plain_progress(step, values)
         if self._bar is not None:
@@ -204,22 +234,31 @@ class MetricsLogger:
             flush=True,
         )
 
-    def _write(self, line: str, stream: TextIO) -> None:
-        """``line`` on ``stream``, above the progress bar if there is one."""
-        if self._bar is not None:
-            self._bar.write(line, file=stream)
-        else:
-            print(line, file=stream, flush=True)
+    def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Hand the validation samples of ``step`` (the rows of ``validation/step_N.jsonl``) to the sinks."""
+        for channel in self._channels:
+            channel.send("log_samples", step, [dict(row) for row in rows])
+
+    @property
+    def has_trackers(self) -> bool:
+        """Whether a sink runs in the background (a tracker): one that keeps the curves' picture."""
+        return any(channel.background for channel in self._channels)
+
+    def log_artifact(self, path: Path) -> None:
+        """Hand the file ``path`` (the curves' picture, at the end of the run) to the sinks."""
+        for channel in self._channels:
+            channel.send("log_artifact", None, path)
 
     def close(self) -> None:
-        """Close the JSONL file, the TensorBoard writer and the progress bar; closing twice is fine."""
+        """Close the sinks (the trackers send what they hold first), the JSONL file and the progress
+        bar; closing twice is fine."""
         if self._bar is not None:
             console.set_progress_bar(None)
             self._bar.close()
             self._bar = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        channels, self._channels = self._channels, []
+        for channel in channels:
+            channel.close()
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -231,18 +270,6 @@ class MetricsLogger:
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
         self.close()
-
-
-def _tensorboard_writer(log_dir: Path, purge_step: int) -> Any:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as error:
-        raise VerlCoreError(
-            f"trainer.logger names 'tensorboard', but TensorBoard cannot be imported ({error}): "
-            'pip install tensorboard (or pip install "verl-core[tensorboard]"), or remove '
-            "'tensorboard' from trainer.logger"
-        ) from error
-    return SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
 
 def _number(step: int, key: str, value: Any) -> float:
@@ -277,3 +304,12 @@ def console_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> s
     return " ".join(
         [f"step {step}/{total_steps}", *(f"{key}={_format(metrics[key])}" for key in keys), *tail]
     )
+
+
+class ConsoleSink(BaseMetricSink):
+    """One line per step on stdout (above the progress bar): ``console_line``."""
+
+    where = "stdout"
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        console.write(console_line(step, self.run.total_steps, metrics), sys.stdout)

@@ -12,7 +12,6 @@ loaded by the engines.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import tempfile
@@ -36,8 +35,6 @@ if TYPE_CHECKING:
 
 #: Which trainer a config is for: ``verl-core train`` (``rl``) or ``verl-core sft``.
 TrainerKind = Literal["rl", "sft"]
-#: The loggers that need a package beyond core's dependencies, and the install command.
-LOGGER_PACKAGES = {"tensorboard": ("tensorboard", 'pip install "verl-core[tensorboard]"')}
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
@@ -65,7 +62,7 @@ def check_run(
         lambda: _teachers(config, kind, registry),
         lambda: _checkpoint_dir(config, kind),
         lambda: _writable("trainer.run_dir", config.trainer.run_dir),
-        lambda: _loggers(config),
+        lambda: _loggers(config, registry),
     )
 
 
@@ -546,14 +543,16 @@ def _writable(key: str, path: str) -> Iterator[tuple[str, str]]:
 # -- optional packages ----------------------------------------------------------------------------------
 
 
-def _loggers(config: RunConfig) -> Iterator[tuple[str, str]]:
+def _loggers(config: RunConfig, registry: Registry) -> Iterator[tuple[str, str]]:
+    """Each sink of ``trainer.logger`` the registry refuses: an unknown name, or a sink whose package is
+    not installed (its descriptor's ``requires``), with the pip command that installs it."""
     for logger in config.trainer.logger:
-        package, install = LOGGER_PACKAGES.get(logger, (None, None))
-        if package is not None and importlib.util.find_spec(package) is None:
+        try:
+            registry.entry(Kind.METRIC_SINKS, logger, where="trainer.logger")
+        except VerlCoreError as error:
             yield (
                 "trainer.logger",
-                f"{logger!r} needs the {package} package, which is not installed: {install}, or leave "
-                f"{logger!r} out of trainer.logger",
+                " ".join(str(error).splitlines()) + f", or leave {logger!r} out of trainer.logger",
             )
 
 

@@ -18,6 +18,9 @@ from verl_core.errors import VerlCoreError
 METRICS_FILE = "metrics.jsonl"
 #: The run folder's folder of TensorBoard event files.
 TENSORBOARD_DIR = "tensorboard"
+#: The run folder's folder of the metric sinks' state: ``<sink>.json``, the tracker's run id and the last
+#: step it accepted (``verl_core.trainer.sinks``), for a resumed run to continue the same tracker run.
+TRACKING_DIR = "tracking"
 #: The run folder's folder of a few generations per validation, ``step_<N>.jsonl``.
 VALIDATION_DIR = "validation"
 #: The file in a run's Hugging Face export that records the step of its weights, ``{"global_step": N}``:

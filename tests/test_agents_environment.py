@@ -435,3 +435,18 @@ def test_a_config_naming_an_unknown_environment_or_a_missing_tools_file_is_refus
         "try:\n    import not_installed_anywhere\nexcept ImportError:\n    pass\n\ndef add(a, b):\n    return a\n"
     )
     load_config([], [*base, "rollout.agent.environment=tools", f"rollout.agent.tools={tools}"])
+
+
+@pytest.mark.parametrize("name", ["mcp", "openenv"])
+def test_an_adapter_whose_package_is_missing_is_refused_naming_the_pip_command(monkeypatch, name) -> None:
+    """The adapters' packages are extras: without one, selecting it is refused when the config loads,
+    with the command that installs it (the package is never imported to list or check it)."""
+    from verl_core.config import load_config
+    from verl_core.errors import ConfigError
+    from verl_core.plugins import Registry
+
+    monkeypatch.setitem(sys.modules, name, None)  # what find_spec reads as not installed
+    with pytest.raises(ConfigError) as error:
+        load_config([], [f"rollout.agent.environment={name}"], registry=Registry.from_plugins(autoload=False))
+    assert f'pip install "verl-core[{name}]"' in str(error.value)
+    assert "rollout.agent.environment" in str(error.value)

@@ -320,8 +320,9 @@ def test_load_config_reads_dump_yaml_back(config):
     assert yaml.safe_load(dump_yaml(config)) == unstructure(config)  # a YAML 1.1 reader agrees
 
 
-#: Mappings of a config that are values, not sections: free-form options, Ray resources by name.
-FREE_FORM = ("extra", "replica_resources", "rank_resources")
+#: Mappings of a config that are values, not sections: free-form options, Ray resources by name, an
+#: environment's options (``rollout.agent.options``: checked against its descriptor's class by preflight).
+FREE_FORM = ("extra", "replica_resources", "rank_resources", "options")
 
 
 def sections(data: dict, path: str = "") -> list[str]:

@@ -28,6 +28,8 @@ from verl_core.rollout.base import SamplingParams
 
 #: The config key that selects the environment, for messages.
 ENVIRONMENT_KEY = "rollout.agent.environment"
+#: The config key of the environment's own options, for messages.
+OPTIONS_KEY = "rollout.agent.options"
 #: Core's environment that runs the functions of ``rollout.agent.tools``.
 TOOLS_ENVIRONMENT = "tools"
 #: Model turns per conversation: the mean and the most over a step's conversations.
@@ -51,9 +53,39 @@ def build_agent_loop(
     from verl_core.plugins.registry import registry_or_installed
 
     entry = registry_or_installed(registry).entry(Kind.ENVIRONMENTS, agent.environment, where=ENVIRONMENT_KEY)
-    factory = entry.load("environment")
     template = TurnTemplate(tokenizer, sampling.eos_token_ids)
+    options = environment_options(entry, agent)
+    if entry.descriptor.start is None:
+        factory = entry.load("environment")
+    else:  # one connection for the run: checked now, before the first step
+        factory = entry.load("start")(agent, options)
     return AgentLoop(template, factory, agent, config.rollout.response_length)
+
+
+def environment_options(entry: Any, agent: AgentConfig) -> Any:
+    """``rollout.agent.options`` structured into the options class of the environment's descriptor
+    (``None`` when it names none); a ``ConfigError`` naming each key that is wrong, or the options of
+    an environment that takes none."""
+    if entry.descriptor.options is None:
+        if agent.options:
+            raise ConfigError(
+                [(OPTIONS_KEY, f"the environment '{agent.environment}' takes no options: remove the key")]
+            )
+        return None
+    from verl_core.config.convert import structure
+
+    return structure(agent.options, entry.load("options"), OPTIONS_KEY)
+
+
+def close_environment_factory(loop: AgentLoop | None) -> None:
+    """Close the run's connection of an environment that has one (its ``start``'s factory with a
+    ``close()``: a server subprocess stopped, a connection closed); nothing for others."""
+    factory = getattr(loop, "environment_factory", None)
+    if isinstance(factory, type):  # a class: its close() is each conversation's
+        return
+    close = getattr(factory, "close", None)
+    if callable(close):
+        close()
 
 
 def import_tools_file(agent: AgentConfig) -> None:

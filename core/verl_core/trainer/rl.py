@@ -29,6 +29,7 @@ from tensordict import TensorDict
 from verl_core.agents.loop import Conversation
 from verl_core.agents.session import (
     build_agent_loop,
+    close_environment_factory,
     conversation_metrics,
     import_tools_file,
     request_conversations,
@@ -204,6 +205,7 @@ class RLTrainer(Trainer):
     def shutdown(self) -> None:
         """Release the worker groups and the run's folders."""
         self._stop_pipeline()
+        close_environment_factory(self.agent_loop)
         for role in (self.actor, self.critic, self.replicas, *self.separate_teachers.values()):
             if role is not None:
                 role.shutdown()

@@ -44,6 +44,9 @@ class MCPOptions:
     command: list[str] | None = None
     #: The server's streamable HTTP endpoint (``http://127.0.0.1:8000/mcp``).
     url: str | None = None
+    #: Environment variables of a ``command`` server, on top of the few the MCP SDK passes on (``HOME``,
+    #: ``PATH``, ...: the trainer's environment is not inherited).
+    env: dict[str, str] = attrs.field(factory=dict)
     #: Seconds the server may take to start and answer the handshake and the tools' listing.
     startup_timeout_s: float = attrs.field(default=30.0, validator=positive)
 
@@ -132,7 +135,8 @@ class MCPTools:
         from mcp.client.stdio import stdio_client
 
         command, *args = self.options.command or []
-        return stdio_client(StdioServerParameters(command=command, args=args), errlog=self._stderr)
+        parameters = StdioServerParameters(command=command, args=args, env=self.options.env or None)
+        return stdio_client(parameters, errlog=self._stderr)
 
     def _tool(self, tool: Any) -> Any:
         """A function calling ``tool`` on the server, with the signature its input schema gives (so

@@ -20,7 +20,11 @@ pytest.importorskip("mcp", reason='the mcp extra: pip install "verl-core[mcp]"')
 pytest.importorskip("openenv", reason='the openenv extra: pip install "verl-core[openenv]"')
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-MCP_SERVER = [sys.executable, str(EXAMPLES / "mcp" / "calculator_server.py")]
+MCP_SERVER = [
+    sys.executable,
+    str(EXAMPLES / "mcp" / "serve_tools.py"),
+    str(EXAMPLES / "tools" / "calculator.py"),
+]
 OPENENV_SERVER = [sys.executable, str(EXAMPLES / "openenv" / "echo_server.py")]
 #: What the spy needs in a process's environment (an MCP stdio server inherits only what it is given).
 SPY_VARIABLES = ("PYTHONPATH", "VERL_TEST_SOCKET_LOG")
@@ -86,8 +90,10 @@ def test_the_adapters_reach_nothing_beyond_loopback(tmp_path) -> None:
     started, calls = recorded(log)
     commands = [line["argv"] for line in started]
     # The calculator served over HTTP, and started over stdio by the trainer; OpenEnv's server; the trainer.
-    assert sum("calculator_server.py" in argv for argv in commands) == 2
-    assert any("echo_server.py" in argv for argv in commands) and any(argv.startswith("-c ") for argv in commands)
+    assert sum("serve_tools.py" in argv for argv in commands) == 2
+    assert any("echo_server.py" in argv for argv in commands) and any(
+        argv.startswith("-c ") for argv in commands
+    )
     assert not calls, "a process reached beyond loopback:\n" + describe(calls)
 
 

@@ -1,5 +1,5 @@
-"""The ``mcp`` environment against a real MCP server (examples/mcp/calculator_server.py, the ``mcp``
-SDK's own server code) started by the tests on this machine: over stdio (a subprocess) and over
+"""The ``mcp`` environment against a real MCP server (examples/mcp/serve_tools.py serving a tools
+file with the ``mcp`` SDK's own server code) started by the tests on this machine: over stdio (a subprocess) and over
 streamable HTTP on loopback. The server's answers are environment tokens (masked out of the loss), a
 call past ``tool_timeout_s`` is answered with an error, GRPO trains with it in process, and a server
 that exits at start, never answers or is down is a config error naming the key."""
@@ -7,6 +7,7 @@ that exits at start, never answers or is down is a config error naming the key."
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,8 +27,13 @@ pytest.importorskip("mcp", reason='the mcp extra: pip install "verl-core[mcp]"')
 
 from verl_core.agents.adapters.mcp_tools import MCPOptions, MCPTools  # noqa: E402
 
-SERVER = Path(__file__).resolve().parents[1] / "examples" / "mcp" / "calculator_server.py"
-STDIO = [sys.executable, str(SERVER)]
+SERVER = Path(__file__).resolve().parents[1] / "examples" / "mcp" / "serve_tools.py"
+#: The tools served: the calculator's, and one that outlives ``tool_timeout_s``.
+TOOLS = Path(__file__).resolve().parent / "fixtures" / "mcp_tools.py"
+STDIO = [sys.executable, str(SERVER), str(TOOLS)]
+#: What a stdio server is given of this process's environment (the SDK passes on only HOME, PATH, ...):
+#: where verl_core is imported from, when it is not installed.
+ENV = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
 TOKENIZER = build_chat_tokenizer()
 EOS = TOKENIZER.eos_token_id
 SAMPLING = SamplingParams(max_new_tokens=64, eos_token_ids=(EOS,), pad_token_id=TOKENIZER.pad_token_id)
@@ -49,7 +55,7 @@ def encode(text: str) -> list[int]:
 @pytest.mark.parametrize("transport", ["stdio", "http"])
 def test_the_servers_answers_are_environment_tokens(request, transport) -> None:
     options = (
-        MCPOptions(command=STDIO)
+        MCPOptions(command=STDIO, env=ENV)
         if transport == "stdio"
         else MCPOptions(url=request.getfixturevalue("http_url"))
     )
@@ -138,7 +144,7 @@ def test_grpo_trains_with_the_tools_of_an_mcp_server(tmp_path) -> None:
         "rollout.prompt_length": 32,
         "rollout.response_length": 24,
         "rollout.agent.environment": "mcp",
-        "rollout.agent.options": json.dumps({"command": STDIO}),
+        "rollout.agent.options": json.dumps({"command": STDIO, "env": ENV}),
         "rollout.agent.max_turns": 2,
         "reward.function": "digits",
     }

@@ -3,7 +3,8 @@
 127.0.0.1:PORT.
 
 Each session echoes the model's message back (``EchoObservation.echoed``) and rewards its length (the
-characters of the message, over 10, at most 1); the episode is done after ``TURNS`` messages."""
+characters of the message, over 10, at most 1); the episode is done after ``TURNS`` messages. Every
+conversation of a training step holds a session at once: the server allows 1024."""
 
 import sys
 
@@ -46,7 +47,7 @@ class EchoEnvironment(Environment):
         return self._state
 
 
-app = create_app(EchoEnvironment, EchoAction, EchoObservation, env_name="echo", max_concurrent_envs=64)
+app = create_app(EchoEnvironment, EchoAction, EchoObservation, env_name="echo", max_concurrent_envs=1024)
 
 if __name__ == "__main__":
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")

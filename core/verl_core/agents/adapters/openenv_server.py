@@ -78,7 +78,14 @@ class OpenEnvEnvironment(BaseEnvironment):
         )
 
     def reset(self, row: Any) -> None:
-        self.server.run(self.client.reset())
+        try:
+            self.server.run(self.client.reset())
+        except Exception as error:
+            raise AgentError(
+                f"the OpenEnv server at {self.server.options.url} did not start a session "
+                f"({type(error).__name__}: {error}): a step's conversations (data.train_batch_size x rollout.n) "
+                "each hold one at once, so the server must allow as many (create_app(max_concurrent_envs=...))"
+            ) from error
 
     def step(self, model_text: str) -> StepResult:
         options = self.server.options

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+import keyword
 import tempfile
 from typing import Any
 
@@ -207,22 +208,22 @@ def _signature(schema: Any) -> inspect.Signature:
     """Keyword-only parameters for the properties of a JSON input schema (required ones without a
     default); ``**arguments`` when the schema cannot be read that way."""
     properties = schema.get("properties") if isinstance(schema, dict) else None
-    if not isinstance(properties, dict):
+    keywords = isinstance(properties, dict) and all(
+        isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name) for name in properties
+    )
+    if not keywords:  # no schema, or a property Python cannot name (``class``, ``a-b``, ``""``)
         return inspect.Signature([inspect.Parameter("arguments", inspect.Parameter.VAR_KEYWORD)])
     required = set(schema.get("required") or ())
-    try:
-        return inspect.Signature(
-            [
-                inspect.Parameter(
-                    name,
-                    inspect.Parameter.KEYWORD_ONLY,
-                    default=inspect.Parameter.empty if name in required else None,
-                )
-                for name in properties
-            ]
-        )
-    except (TypeError, ValueError):  # a property that is no Python identifier
-        return inspect.Signature([inspect.Parameter("arguments", inspect.Parameter.VAR_KEYWORD)])
+    return inspect.Signature(
+        [
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=inspect.Parameter.empty if name in required else None,
+            )
+            for name in properties
+        ]
+    )
 
 
 def _block_text(block: Any) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from fixtures.chat import build_chat_tokenizer, scripted_generate
+from fixtures.demo import run_overrides
 from fixtures.servers import chat_run_paths, free_port, serving, train_in_process
 
 from verl_core.agents import AgentLoop, TurnTemplate
@@ -133,8 +134,6 @@ def test_a_server_that_cannot_serve_is_a_config_error_naming_the_key(options, ke
 def test_grpo_trains_with_the_tools_of_an_mcp_server(tmp_path) -> None:
     """Three GRPO steps in process on the tiny chat model, the stdio server started with the trainer and
     stopped at its shutdown; a wrong option is refused by the config's checks, naming the key."""
-    from fixtures.demo import run_overrides
-
     from verl_core.trainer.rl import RLTrainer
 
     rows = [{"prompt": f"12 times {n}?", "ground_truth": str(12 * n)} for n in range(4)]
@@ -155,3 +154,22 @@ def test_grpo_trains_with_the_tools_of_an_mcp_server(tmp_path) -> None:
     wrong = run_overrides(paths, tmp_path, **(settings | {"rollout.agent.options": '{"comand": [x]}'}))
     with pytest.raises(ConfigError, match=r"rollout\.agent\.options\.comand: unknown key"):
         RLTrainer.from_config(load_config([], wrong), show_progress=False)
+
+
+def test_a_server_that_exits_at_start_is_refused_before_any_worker_starts(tmp_path, monkeypatch) -> None:
+    from verl_core.trainer.rl import RLTrainer
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("the roles' workers were started")
+
+    monkeypatch.setattr("verl_core.trainer.build.build_roles", no_workers)
+    paths = chat_run_paths(tmp_path, [{"prompt": "1 + 1?", "ground_truth": "2"}] * 4)
+    exits = [sys.executable, "-c", "import sys; sys.exit('no such table')"]
+    settings = {"rollout.agent.environment": "mcp", "rollout.agent.options": json.dumps({"command": exits})}
+    config = load_config(
+        [], run_overrides(paths, tmp_path, **{"data.apply_chat_template": "true", **settings})
+    )
+    with pytest.raises(ConfigError) as error:
+        RLTrainer.from_config(config, show_progress=False)
+    ((key, message),) = error.value.errors
+    assert key == "rollout.agent.options.command" and "its stderr ends with: no such table" in message

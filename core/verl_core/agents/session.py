@@ -42,24 +42,35 @@ CUT_RESPONSE_LENGTH_KEY = "agent/cut/response_length"
 
 
 def build_agent_loop(
-    config: RunConfig, tokenizer: Any, sampling: SamplingParams, registry: Any = None
+    config: RunConfig, tokenizer: Any, sampling: SamplingParams, registry: Any = None, factory: Any = None
 ) -> AgentLoop | None:
     """The agent loop ``rollout.agent`` describes; ``None`` for single-turn rollouts (no environment).
-    The environment is looked up in the registry (errors name the key) and the chat template checked
-    now, before the first step."""
+    The environment is looked up in the registry (errors name the key) and started
+    (``start_environment``) unless its ``factory`` is given, and the chat template checked now, before
+    the first step."""
+    agent = config.rollout.agent
+    if agent.environment is None:
+        return None
+    template = TurnTemplate(tokenizer, sampling.eos_token_ids)
+    if factory is None:
+        factory = start_environment(config, registry)
+    return AgentLoop(template, factory, agent, config.rollout.response_length)
+
+
+def start_environment(config: RunConfig, registry: Any = None) -> Any:
+    """The factory of each conversation's environment (``None`` for single-turn rollouts): the
+    descriptor's ``environment``, or what its ``start`` returns, called now with the checked options
+    (an adapter connects to its server: one that cannot serve is a ``ConfigError`` naming the key)."""
     agent = config.rollout.agent
     if agent.environment is None:
         return None
     from verl_core.plugins.registry import registry_or_installed
 
     entry = registry_or_installed(registry).entry(Kind.ENVIRONMENTS, agent.environment, where=ENVIRONMENT_KEY)
-    template = TurnTemplate(tokenizer, sampling.eos_token_ids)
     options = environment_options(entry, agent)
     if entry.descriptor.start is None:
-        factory = entry.load("environment")
-    else:  # one connection for the run: checked now, before the first step
-        factory = entry.load("start")(agent, options)
-    return AgentLoop(template, factory, agent, config.rollout.response_length)
+        return entry.load("environment")
+    return entry.load("start")(agent, options)  # one connection for the run
 
 
 def environment_options(entry: Any, agent: AgentConfig) -> Any:
@@ -77,10 +88,9 @@ def environment_options(entry: Any, agent: AgentConfig) -> Any:
     return structure(agent.options, entry.load("options"), OPTIONS_KEY)
 
 
-def close_environment_factory(loop: AgentLoop | None) -> None:
+def close_environment_factory(factory: Any) -> None:
     """Close the run's connection of an environment that has one (its ``start``'s factory with a
     ``close()``: a server subprocess stopped, a connection closed); nothing for others."""
-    factory = getattr(loop, "environment_factory", None)
     if isinstance(factory, type):  # a class: its close() is each conversation's
         return
     close = getattr(factory, "close", None)

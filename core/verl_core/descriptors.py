@@ -475,7 +475,7 @@ class Environment:
     contract.
 
     An environment that serves every conversation of a run from one connection (an adapter to a
-    server: OpenEnv, MCP) names ``start``: called once before the first step as ``start(config,
+    server: OpenEnv, MCP) names ``start``: called once when the trainer starts (before its workers) as ``start(config,
     options)``, it checks what can be checked then (the server answers) and returns the factory each
     conversation's environment is made by, in place of ``environment``; a factory with ``close()`` is
     closed when the trainer shuts down. ``options`` names the attrs class ``rollout.agent.options`` is

@@ -6,7 +6,7 @@ wrong in it comes back to the model as an ``error: ...`` message.
 ``rollout.agent.options`` names the server: ``command`` (a command line started as a subprocess,
 spoken to over its stdin/stdout) or ``url`` (a streamable HTTP endpoint). One connection serves every
 conversation of the run; it is opened when the trainer starts, so a server that exits at start, or
-never answers, is a ``ConfigError`` at that key before the first step. The ``mcp`` package is
+never answers, is a ``ConfigError`` at that key before the workers start. The ``mcp`` package is
 imported only here (``pip install "verl-core[mcp]"``).
 """
 

@@ -7,7 +7,7 @@ model (by default every field but ``done``, ``reward`` and ``metadata``: a lone 
 as JSON), as a message of ``role``. The observation's ``reward`` replaces the reward function's score
 and its ``done`` ends the conversation. The server is asked for its schema when the trainer starts: one
 that is down, answers something other than an OpenEnv schema, or has no ``action_field`` is a
-``ConfigError`` naming the key before the first step. ``openenv`` is imported only here
+``ConfigError`` naming the key before the workers start. ``openenv`` is imported only here
 (``pip install "verl-core[openenv]"``).
 """
 

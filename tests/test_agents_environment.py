@@ -4,7 +4,9 @@ plugin found through its entry point and run by the agent loop."""
 
 from __future__ import annotations
 
+import inspect
 import json
+import keyword
 import signal
 import subprocess
 import sys
@@ -13,7 +15,7 @@ import time
 import pytest
 from fixtures.chat import build_chat_tokenizer, scripted_generate
 from fixtures.fake_dist import fake_distributions
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_core.agents import (
@@ -435,3 +437,56 @@ def test_a_config_naming_an_unknown_environment_or_a_missing_tools_file_is_refus
         "try:\n    import not_installed_anywhere\nexcept ImportError:\n    pass\n\ndef add(a, b):\n    return a\n"
     )
     load_config([], [*base, "rollout.agent.environment=tools", f"rollout.agent.tools={tools}"])
+
+
+@pytest.mark.parametrize("name", ["mcp", "openenv"])
+def test_an_adapter_whose_package_is_missing_is_refused_naming_the_pip_command(monkeypatch, name) -> None:
+    """The adapters' packages are extras: without one, selecting it is refused when the config loads,
+    with the command that installs it (the package is never imported to list or check it)."""
+    from verl_core.config import load_config
+    from verl_core.errors import ConfigError
+    from verl_core.plugins import Registry
+
+    monkeypatch.setitem(sys.modules, name, None)  # what find_spec reads as not installed
+    with pytest.raises(ConfigError) as error:
+        load_config([], [f"rollout.agent.environment={name}"], registry=Registry.from_plugins(autoload=False))
+    assert f'pip install "verl-core[{name}]"' in str(error.value)
+    assert "rollout.agent.environment" in str(error.value)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    properties=st.dictionaries(st.text(max_size=8), st.just({"type": "string"}), max_size=5),
+    required=st.data(),
+)
+def test_an_mcp_tools_input_schema_becomes_a_signature_that_binds_its_required_arguments(
+    properties, required
+) -> None:
+    """Whatever a server's input schema names (keywords, names that are no identifiers, nothing), the
+    tool's signature binds exactly the calls its schema allows: all required arguments given, none
+    unknown; a schema it cannot spell as keywords takes any arguments (the server then answers)."""
+    from verl_core.agents.adapters.mcp_tools import _signature
+
+    needed = required.draw(st.sets(st.sampled_from(sorted(properties))) if properties else st.just(set()))
+    signature = _signature({"type": "object", "properties": properties, "required": sorted(needed)})
+    keywords = all(name.isidentifier() and not keyword.iskeyword(name) for name in properties)
+    if not keywords:
+        assert [p.kind for p in signature.parameters.values()] == [inspect.Parameter.VAR_KEYWORD]
+        return
+    signature.bind(**{name: "x" for name in needed})
+    for missing in needed:
+        with pytest.raises(TypeError):
+            signature.bind(**{name: "x" for name in needed - {missing}})
+    if "not_in_the_schema_" not in properties:
+        with pytest.raises(TypeError):
+            signature.bind(**{name: "x" for name in needed}, not_in_the_schema_=1)
+
+
+def test_the_signature_check_can_fail() -> None:
+    """A schema whose required argument is left out does not bind: the check above sees a refusal."""
+    from verl_core.agents.adapters.mcp_tools import _signature
+
+    signature = _signature({"properties": {"a": {}, "b": {}}, "required": ["a"]})
+    signature.bind(a=1)
+    with pytest.raises(TypeError):
+        signature.bind(b=1)

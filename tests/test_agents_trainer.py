@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-from fixtures.chat import build_chat_model_dir
 from fixtures.demo import run_overrides
 from fixtures.fake_dist import fake_distributions
+from fixtures.servers import chat_run_paths
 
 from verl_core.config import load_config
 from verl_core.data.batch import ATTENTION_MASK, RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS, SCORES
@@ -80,11 +79,8 @@ def echo_run(
     """A run (in process unless ``changes`` say otherwise) on the tiny chat model whose every turn the
     third-party ``echo`` environment answers, on 4 prompts unless given: the trainer (shut down) and
     the last step's metrics."""
-    model = build_chat_model_dir(tmp_path / "model")
-    for split, rows in (("train", train_rows), ("val", val_rows)):
-        rows = echo_rows(4) if rows is None else rows
-        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    paths = SimpleNamespace(model=model, train=tmp_path / "train.jsonl", val=tmp_path / "val.jsonl")
+    train_rows = echo_rows(4) if train_rows is None else train_rows
+    paths = chat_run_paths(tmp_path, train_rows, echo_rows(4) if val_rows is None else val_rows)
     settings = {
         "data.apply_chat_template": "true",
         "rollout.prompt_length": 32,

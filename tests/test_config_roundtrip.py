@@ -327,8 +327,9 @@ def test_load_config_reads_dump_yaml_back(config):
 
 
 #: Mappings of a config that are values, not sections: free-form options, Ray resources by name, the
-#: distillation teachers by name (a new key is a new teacher).
-FREE_FORM = ("extra", "replica_resources", "rank_resources", "teachers")
+#: distillation teachers by name (a new key is a new teacher), an environment's options
+#: (``rollout.agent.options``: checked against its descriptor's class by preflight).
+FREE_FORM = ("extra", "replica_resources", "rank_resources", "teachers", "options")
 
 
 def sections(data: dict, path: str = "") -> list[str]:

@@ -1,4 +1,4 @@
-"""Every shell command of the README, quickstart, training, sft and embedding pages, run as written.
+"""Every shell command of the README, quickstart, training, sft, embedding and agents pages, run as written.
 
 A command runs in a folder laid out as the page assumes: the demo's assets in ``runs/demo`` (built
 small), and the files a page names as the user's own (``models/base``, ``data/sft.jsonl``, ``grpo.yaml``,
@@ -29,6 +29,7 @@ PAGES = [
     "docs/sft.md",
     "docs/embedding.md",
     "docs/tracking.md",
+    "docs/agents.md",
 ]
 
 #: Commands whose first words say they are not for this test, and why.
@@ -41,6 +42,10 @@ NOT_RUN = {
     "hf download": "downloads a model from the hub, which this machine cannot reach",
     "ray start": "starts a Ray cluster (tests/test_trainer_ray.py runs against a real `ray start --head`)",
     "python examples/embedding.py": "tests/test_embedding_example.py runs the example and checks its output",
+    "python examples/tools_demo/make_tools_demo.py": "builds the tools demo's assets, which the workspace has "
+    "(built small; tests/test_agents_demo.py runs the builder)",
+    "python examples/openenv/echo_server.py": "starts a server that runs until it is stopped "
+    "(tests/test_agents_openenv.py serves it, and trains against it)",
 }
 #: Words a reader replaces before running the command.
 PLACEHOLDERS = ("HEAD_IP", "run.yaml")
@@ -70,6 +75,9 @@ def why_not_run(command: str) -> str | None:
         return "runs a whole nox session (CI runs `nox`; the demo session is the README's main job)"
     if any(word in command for word in PLACEHOLDERS):
         return "holds a placeholder the reader fills in (a cluster's address, their own config)"
+    for adapter, module in (("mcp", "mcp"), ("openenv", "openenv")):
+        if f"rollout.agent.environment={adapter}" in command and importlib.util.find_spec(module) is None:
+            return f'needs the {adapter} extra, which this environment lacks (pip install "verl-core[{adapter}]")'
     if "rollout.backend=vllm" in command and importlib.util.find_spec("vllm") is None:
         return (
             "needs vLLM, which this environment lacks (`nox -s vllm` runs `verl-core config` with "
@@ -94,6 +102,13 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ]:
         (root / model).parent.mkdir(parents=True, exist_ok=True)
         shutil.copytree(demo.model, root / model)
+    tools_demo = root / "runs" / "tools_demo"  # docs/agents.md's adapters train the tools demo's model
+    make_tools_demo = importlib.util.spec_from_file_location(
+        "make_tools_demo", REPO / "examples" / "tools_demo" / "make_tools_demo.py"
+    )
+    module = importlib.util.module_from_spec(make_tools_demo)
+    make_tools_demo.loader.exec_module(module)
+    module.build(tools_demo, sft_keys=4, train_keys=4, val_keys=4)
     data = root / "data"
     data.mkdir()
     for name, source in {

@@ -35,61 +35,12 @@ import pytest
 import safetensors.torch
 import torch
 from fixtures.demo import build_small_demo, run_overrides
+from fixtures.sockets import SOCKET_SPY
 
 from verl_core.cli import main
 from verl_core.trainer import checkpoints
 from verl_core.trainer.run_files import exported_step
 from verl_core.trainer.run_lock import LOCK_FILE
-
-#: Records every socket call of a Python process that names an address other than loopback (or the
-#: wildcard, for a bind), one JSON line each, into $VERL_TEST_SOCKET_LOG.
-SOCKET_SPY = r"""
-import json, os, socket, sys, traceback
-
-_LOG = os.environ.get("VERL_TEST_SOCKET_LOG")
-_LOCAL = {"localhost", "::1", "0:0:0:0:0:0:0:1", socket.gethostname()}
-
-
-def _record(call, address):
-    host = address[0] if isinstance(address, tuple) else address
-    if not isinstance(host, str) or host.startswith(("127.", "::ffff:127.")) or host in _LOCAL:
-        return
-    if call != "bind" and host in ("", "0.0.0.0", "::"):
-        return
-    line = {"pid": os.getpid(), "argv": " ".join(sys.argv)[:200], "call": call, "address": repr(address),
-            "stack": traceback.format_stack(limit=8)[:-2]}
-    with open(_LOG, "a") as log:
-        log.write(json.dumps(line) + "\n")
-
-
-def _wrap(cls, name, call):
-    original = getattr(cls, name)
-
-    def wrapper(self, address, *args, **kwargs):
-        if self.family in (socket.AF_INET, socket.AF_INET6):
-            _record(call, address if name != "sendto" else (args or (address,))[-1])
-        return original(self, address, *args, **kwargs)
-
-    setattr(cls, name, wrapper)
-
-
-if _LOG:
-    with open(_LOG, "a") as _log:  # which processes run with the spy
-        _log.write(json.dumps({"pid": os.getpid(), "argv": " ".join(sys.argv)[:200], "call": "start"}) + "\n")
-    for _name in ("connect", "connect_ex", "bind"):
-        _wrap(socket.socket, _name, _name)
-    _wrap(socket.socket, "sendto", "sendto")
-    _getaddrinfo = socket.getaddrinfo
-
-    def getaddrinfo(host, *args, **kwargs):
-        if isinstance(host, bytes):
-            host = host.decode()
-        _record("getaddrinfo", (host,))
-        return _getaddrinfo(host, *args, **kwargs)
-
-    socket.getaddrinfo = getaddrinfo
-"""
-
 
 #: ``verl-core`` with a test's hooks, each switched on by its environment variable.
 #: VERL_TEST_HOLD_EXPORT=<file>: the Hugging Face export stops once its weights are in the staging

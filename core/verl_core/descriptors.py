@@ -473,12 +473,24 @@ class Environment:
     ``step(model_text) -> StepResult`` after every model turn). Core's built-in ``tools`` runs plain
     Python functions from a user's file on Hermes-style ``<tool_call>`` blocks. docs/agents.md is the
     contract.
+
+    An environment that serves every conversation of a run from one connection (an adapter to a
+    server: OpenEnv, MCP) names ``start``: called once when the trainer starts (before its workers) as ``start(config,
+    options)``, it checks what can be checked then (the server answers) and returns the factory each
+    conversation's environment is made by, in place of ``environment``; a factory with ``close()`` is
+    closed when the trainer shuts down. ``options`` names the attrs class ``rollout.agent.options`` is
+    structured into (unknown keys refused, each error at its path). While a module of ``requires`` is
+    missing the environment is listed ``unavailable`` and selecting it is refused with ``install``.
     """
 
     name: str = attrs.field(validator=_check_name)
     environment: Loadable = attrs.field(validator=_check_loadable)
     description: str = ""
     override: bool = False
+    start: Loadable | None = attrs.field(default=None, validator=attrs.validators.optional(_check_loadable))
+    options: Loadable | None = attrs.field(default=None, validator=attrs.validators.optional(_check_loadable))
+    requires: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple)
+    install: str = ""
 
     def load(self) -> Callable[..., Any]:
         return load_object(self.environment)

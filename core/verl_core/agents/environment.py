@@ -16,6 +16,7 @@ import abc
 import inspect
 import json
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,10 @@ class BaseEnvironment(abc.ABC):
     @abc.abstractmethod
     def step(self, model_text: str) -> StepResult:
         """Answer the model's latest turn (its text, the end-of-turn token left out)."""
+
+    def close(self) -> None:  # noqa: B027 - most environments hold nothing to release
+        """Release what the conversation holds (a session on a server); called once when the step's
+        conversations are over, however they ended."""
 
 
 # -- tools -----------------------------------------------------------------------------------------
@@ -207,15 +212,36 @@ def load_tools(path: str | Path) -> dict[str, Callable[..., Any]]:
 def make_environments(factory: Callable[..., Any], config: AgentConfig, rows: Sequence[Any]) -> list[Any]:
     """One environment per row, each ``reset`` to its row; a factory that returns something without
     ``step`` is refused here, naming it."""
-    environments = []
-    for row in rows:
-        environment = factory(config)
-        if not callable(getattr(environment, "step", None)):
-            raise AgentError(
-                f"the environment factory {getattr(factory, '__qualname__', factory)!r} returned "
-                f"{type(environment).__name__}, which has no step(model_text) method: return a "
-                "verl_core.agents.BaseEnvironment"
-            )
-        environment.reset(row)
-        environments.append(environment)
+    environments: list[Any] = []
+    try:
+        for row in rows:
+            environment = factory(config)
+            if not callable(getattr(environment, "step", None)):
+                raise AgentError(
+                    f"the environment factory {getattr(factory, '__qualname__', factory)!r} returned "
+                    f"{type(environment).__name__}, which has no step(model_text) method: return a "
+                    "verl_core.agents.BaseEnvironment"
+                )
+            environments.append(environment)
+            environment.reset(row)
+    except BaseException:  # the ones made so far hold what they hold (a session on a server)
+        close_environments(environments)
+        raise
     return environments
+
+
+def close_environments(environments: Sequence[Any]) -> None:
+    """``close()`` every environment that has one; one that raises is warned about, naming it, and the
+    others are still closed (the step's result is kept: nothing is left to answer)."""
+    for environment in environments:
+        close = getattr(environment, "close", None)
+        if not callable(close):
+            continue
+        try:
+            close()
+        except Exception as error:  # noqa: BLE001 - a release that fails must not lose the step
+            warnings.warn(
+                f"closing the environment {type(environment).__name__} raised {_describe(error)}",
+                RuntimeWarning,
+                stacklevel=2,
+            )

@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 from tensordict import TensorDict
 
-from verl_core.agents.environment import StepResult
+from verl_core.agents.environment import StepResult, close_environments
 from verl_core.agents.steps import EnvironmentSteps, gather_all
 from verl_core.agents.template import TurnTemplate
 from verl_core.config.run import AgentConfig
@@ -137,6 +137,23 @@ class AgentLoop:
         environments = self.environments(rows)
         conversations = self._conversations(prompts, messages)
         steps = EnvironmentSteps(self.config.environment_threads, self.config.step_timeout_s)
+        try:
+            self._turns(generate, environments, conversations, rows, steps, sampling, seed)
+        finally:
+            close_environments(environments)
+        return self.to_batch(conversations, sampling.pad_token_id), conversations
+
+    def _turns(
+        self,
+        generate: Generate,
+        environments: list[Any],
+        conversations: list[Conversation],
+        rows: Sequence[Any],
+        steps: EnvironmentSteps,
+        sampling: SamplingParams,
+        seed: int,
+    ) -> None:
+        """``run``'s turns: one ``generate`` call for the conversations still going, then their steps."""
         for turn in range(self.config.max_turns):
             active = [i for i, c in enumerate(conversations) if not c.done]
             if not active:
@@ -163,7 +180,6 @@ class AgentLoop:
             )
             for index, reply, result in zip(active, replies, results, strict=True):
                 self._answer(conversations[index], reply, result)
-        return self.to_batch(conversations, sampling.pad_token_id), conversations
 
     async def run_requests(
         self,
@@ -187,14 +203,17 @@ class AgentLoop:
         environments = self.environments(rows)
         conversations = self._conversations(prompts, messages)
         steps = EnvironmentSteps(self.config.environment_threads, self.config.step_timeout_s)
-        await gather_all(
-            [
-                self._converse(submit, index, conversation, environment, row, sampling, seed, steps)
-                for index, (conversation, environment, row) in enumerate(
-                    zip(conversations, environments, rows, strict=True)
-                )
-            ]
-        )
+        try:
+            await gather_all(
+                [
+                    self._converse(submit, index, conversation, environment, row, sampling, seed, steps)
+                    for index, (conversation, environment, row) in enumerate(
+                        zip(conversations, environments, rows, strict=True)
+                    )
+                ]
+            )
+        finally:
+            close_environments(environments)
         return self.to_batch(conversations, sampling.pad_token_id), conversations
 
     async def _converse(

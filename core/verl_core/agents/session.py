@@ -28,6 +28,8 @@ from verl_core.rollout.base import SamplingParams
 
 #: The config key that selects the environment, for messages.
 ENVIRONMENT_KEY = "rollout.agent.environment"
+#: The config key of the environment's own options, for messages.
+OPTIONS_KEY = "rollout.agent.options"
 #: Core's environment that runs the functions of ``rollout.agent.tools``.
 TOOLS_ENVIRONMENT = "tools"
 #: Model turns per conversation: the mean and the most over a step's conversations.
@@ -40,20 +42,60 @@ CUT_RESPONSE_LENGTH_KEY = "agent/cut/response_length"
 
 
 def build_agent_loop(
-    config: RunConfig, tokenizer: Any, sampling: SamplingParams, registry: Any = None
+    config: RunConfig, tokenizer: Any, sampling: SamplingParams, registry: Any = None, factory: Any = None
 ) -> AgentLoop | None:
     """The agent loop ``rollout.agent`` describes; ``None`` for single-turn rollouts (no environment).
-    The environment is looked up in the registry (errors name the key) and the chat template checked
-    now, before the first step."""
+    The environment is looked up in the registry (errors name the key) and started
+    (``start_environment``) unless its ``factory`` is given, and the chat template checked now, before
+    the first step."""
+    agent = config.rollout.agent
+    if agent.environment is None:
+        return None
+    template = TurnTemplate(tokenizer, sampling.eos_token_ids)
+    if factory is None:
+        factory = start_environment(config, registry)
+    return AgentLoop(template, factory, agent, config.rollout.response_length)
+
+
+def start_environment(config: RunConfig, registry: Any = None) -> Any:
+    """The factory of each conversation's environment (``None`` for single-turn rollouts): the
+    descriptor's ``environment``, or what its ``start`` returns, called now with the checked options
+    (an adapter connects to its server: one that cannot serve is a ``ConfigError`` naming the key)."""
     agent = config.rollout.agent
     if agent.environment is None:
         return None
     from verl_core.plugins.registry import registry_or_installed
 
     entry = registry_or_installed(registry).entry(Kind.ENVIRONMENTS, agent.environment, where=ENVIRONMENT_KEY)
-    factory = entry.load("environment")
-    template = TurnTemplate(tokenizer, sampling.eos_token_ids)
-    return AgentLoop(template, factory, agent, config.rollout.response_length)
+    options = environment_options(entry, agent)
+    if entry.descriptor.start is None:
+        return entry.load("environment")
+    return entry.load("start")(agent, options)  # one connection for the run
+
+
+def environment_options(entry: Any, agent: AgentConfig) -> Any:
+    """``rollout.agent.options`` structured into the options class of the environment's descriptor
+    (``None`` when it names none); a ``ConfigError`` naming each key that is wrong, or the options of
+    an environment that takes none."""
+    if entry.descriptor.options is None:
+        if agent.options:
+            raise ConfigError(
+                [(OPTIONS_KEY, f"the environment '{agent.environment}' takes no options: remove the key")]
+            )
+        return None
+    from verl_core.config.convert import structure
+
+    return structure(agent.options, entry.load("options"), OPTIONS_KEY)
+
+
+def close_environment_factory(factory: Any) -> None:
+    """Close the run's connection of an environment that has one (its ``start``'s factory with a
+    ``close()``: a server subprocess stopped, a connection closed); nothing for others."""
+    if isinstance(factory, type):  # a class: its close() is each conversation's
+        return
+    close = getattr(factory, "close", None)
+    if callable(close):
+        close()
 
 
 def import_tools_file(agent: AgentConfig) -> None:

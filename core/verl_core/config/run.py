@@ -140,10 +140,15 @@ class AgentConfig:
     #: (a step that never returns would hold the run forever). Core's ``tools`` environment is bounded by
     #: ``tool_timeout_s`` per call instead.
     step_timeout_s: float = attrs.field(default=600.0, validator=positive)
+    #: The environment's own options (the adapters' server ``url``, ``command``, ...: docs/agents.md), checked
+    #: against the options class its descriptor names before the run starts.
+    options: dict[str, Any] = attrs.field(factory=dict)
 
     def ignored(self) -> Iterator[tuple[str, str]]:
         if self.environment is None and self.tools is not None:
             yield "tools", "ignored: rollout.agent.environment is not set; set it to 'tools' to use them"
+        if self.environment is None and self.options:
+            yield "options", "ignored: rollout.agent.environment is not set"
 
 
 def _resources(attribute: attrs.Attribute, value: dict[str, float]) -> None:

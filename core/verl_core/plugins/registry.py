@@ -42,7 +42,7 @@ from verl_core.plugins.discovery import (
 EntryStatus = Literal["ok", "incompatible", "conflict", "overridden", "broken", "unavailable"]
 
 #: Descriptor fields that hold import strings, checked (without importing) when the registry is built.
-IMPORT_FIELDS = ("engine", "config", "rollout", "function", "sink")
+IMPORT_FIELDS = ("engine", "config", "rollout", "function", "sink", "start", "options", "transport")
 
 
 @attrs.frozen

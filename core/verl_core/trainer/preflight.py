@@ -58,6 +58,7 @@ def check_run(
         lambda: _models(config, kind),
         lambda: _engines(config, registry),
         lambda: _rollout(config, kind, registry),
+        lambda: _environment_options(config, kind, registry),
         lambda: _adapters(config, registry),
         lambda: _teachers(config, kind, registry),
         lambda: _checkpoint_dir(config, kind),
@@ -178,6 +179,29 @@ def _engines(config: RunConfig, registry: Registry) -> Iterator[tuple[str, str]]
                 f"engine backend '{entry.name}' from {entry.provider}: {engine_class.__qualname__}."
                 f"check_before_start raised {type(error).__name__}: {error}; fix or upgrade the plugin",
             )
+
+
+def _environment_options(
+    config: RunConfig, kind: TrainerKind, registry: Registry
+) -> Iterator[tuple[str, str]]:
+    """``rollout.agent.options`` against the options class of the environment's descriptor (an
+    adapter's server ``url`` or ``command``): each wrong key named, before anything starts. Whether the
+    server answers is checked when the trainer starts the environment (``build_agent_loop``)."""
+    agent = config.rollout.agent
+    if kind != "rl" or agent.environment is None:
+        return
+    from verl_core.agents.session import ENVIRONMENT_KEY, environment_options
+
+    try:
+        entry = registry.entry(Kind.ENVIRONMENTS, agent.environment, where=ENVIRONMENT_KEY)
+    except VerlCoreError:  # an unknown or unavailable environment: the config load reports it
+        return
+    try:
+        environment_options(entry, agent)
+    except ConfigError as error:
+        yield from error.errors
+    except VerlCoreError as error:  # the options class does not import: naming the plugin
+        yield "rollout.agent.options", str(error)
 
 
 def _rollout(config: RunConfig, kind: TrainerKind, registry: Registry) -> Iterator[tuple[str, str]]:

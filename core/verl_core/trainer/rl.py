@@ -29,10 +29,12 @@ from tensordict import TensorDict
 from verl_core.agents.loop import Conversation
 from verl_core.agents.session import (
     build_agent_loop,
+    close_environment_factory,
     conversation_metrics,
     import_tools_file,
     request_conversations,
     run_conversations,
+    start_environment,
     turns,
 )
 from verl_core.algos.kl import apply_kl_penalty, build_kl_controller
@@ -123,7 +125,10 @@ class RLTrainer(Trainer):
         show_progress: bool = True,
         replicas: RolloutReplicas | None = None,
         teachers: dict[str, Teacher] | None = None,
+        environment_factory: Any = None,
     ):
+        """``environment_factory``: the started environment of ``rollout.agent`` (``start_environment``),
+        started here unless given."""
         self.config = config
         self.actor, self.critic = actor, critic
         #: The distillation teachers placed apart from the actor, by name (``distillation.teachers``).
@@ -151,7 +156,7 @@ class RLTrainer(Trainer):
         self.reward_function = load_reward_function(config.reward.function, registry)
         self.kl_controller = build_kl_controller(config.algorithm.kl_ctrl)
         self.sampling = _sampling(config.rollout.temperature, config, tokenizer)
-        self.agent_loop = build_agent_loop(config, tokenizer, self.sampling, registry)
+        self.agent_loop = build_agent_loop(config, tokenizer, self.sampling, registry, environment_factory)
         self.global_step = 0
         self._reward_failure_shown = False
         #: The last step's whole batch (responses, scores, advantages), for inspection.
@@ -169,8 +174,10 @@ class RLTrainer(Trainer):
         preflight(config, TRAINER_KIND, registry)
         import_tools_file(config.rollout.agent)  # it runs: here, not in preflight (verl-core config)
         prepared = prepare_run(config, TRAINER_KIND)
-        roles = None
+        roles = environment = None
         try:
+            # An adapter's server is connected to before any worker starts: one that cannot serve is refused.
+            environment = start_environment(config, registry)
             with console.phase("loading the tokenizer and the datasets"):
                 tokenizer = load_tokenizer(config.actor.engine.model)
                 train_data, val_data = load_prompt_datasets(config.data, config.rollout, tokenizer)
@@ -191,9 +198,11 @@ class RLTrainer(Trainer):
                 train_data=train_data,
                 val_data=val_data,
                 registry=registry,
+                environment_factory=environment,
                 **options,
             )
         except BaseException:  # the worker groups hold processes, the lock the folders: release them
+            close_environment_factory(environment)
             if roles is not None:
                 roles.shutdown()
             prepared.lock.release()
@@ -204,6 +213,8 @@ class RLTrainer(Trainer):
     def shutdown(self) -> None:
         """Release the worker groups and the run's folders."""
         self._stop_pipeline()
+        if self.agent_loop is not None:
+            close_environment_factory(self.agent_loop.environment_factory)
         for role in (self.actor, self.critic, self.replicas, *self.separate_teachers.values()):
             if role is not None:
                 role.shutdown()

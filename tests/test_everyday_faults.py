@@ -272,9 +272,9 @@ def test_sigterm_to_the_whole_run_stops_it_in_seconds_without_a_stack_dump(demo,
 def test_a_stop_between_updates_says_what_the_run_was_doing(tmp_path) -> None:
     """The stop line names the stage ``fit`` is in: a stop while step 2's checkpoint is written is not
     'during step 3' (the save is step 2's, and the last complete checkpoint is step 1's)."""
-    from types import SimpleNamespace
-
     from verl_core.cli import EXIT_INTERRUPTED, _stopped_message
+    from verl_core.config import EngineConfig, ModelConfig, RunConfig
+    from verl_core.config.run import ActorConfig, TrainerConfig
     from verl_core.trainer.loop import Trainer
 
     class Recording(Trainer):
@@ -299,7 +299,7 @@ def test_a_stop_between_updates_says_what_the_run_was_doing(tmp_path) -> None:
             message = _stopped_message(self.config, self, EXIT_INTERRUPTED)
             seen.append((step, "message", message))
 
-    settings = SimpleNamespace(
+    settings = TrainerConfig(
         test_freq=2,
         save_freq=2,
         save_hf_model=False,
@@ -308,9 +308,13 @@ def test_a_stop_between_updates_says_what_the_run_was_doing(tmp_path) -> None:
         resume_mode="auto",
         run_dir=str(tmp_path),
     )
+    config = RunConfig(
+        actor=ActorConfig(engine=EngineConfig(backend="ddp", model=ModelConfig(path="model"))),
+        trainer=settings,
+    )
     seen: list = []
     trainer = Recording()
-    trainer.config, trainer.val_data, trainer.run_dir = SimpleNamespace(trainer=settings), object(), tmp_path
+    trainer.config, trainer.val_data, trainer.run_dir = config, object(), tmp_path
     trainer.total_steps, trainer.show_progress, trainer.global_step = 2, False, 0
     trainer.fit()
     assert seen[:3] == [

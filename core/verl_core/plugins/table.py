@@ -48,13 +48,20 @@ def columns_of(kind: str) -> tuple[str, ...]:
 
 
 def _problems(registry: Registry, plugin: str) -> list[Entry]:
-    """The entries of ``plugin`` outside the engine backends that cannot be used as they stand."""
+    """The entries of ``plugin`` outside the engine backends that cannot be used as they stand. An
+    ``unavailable`` one (an optional extra whose package is not installed: core's ``wandb`` sink) is a
+    problem only of a plugin that offers nothing usable without it: selecting it is refused with its
+    pip command anyway, and ``--all`` lists it."""
+    provided = [
+        entry for kind in registry.kinds for entry in registry.entries(kind) if entry.plugin == plugin
+    ]
+    usable = any(entry.status == "ok" for entry in provided)
     return [
         entry
-        for kind in registry.kinds
-        if kind != Kind.ENGINE_BACKENDS
-        for entry in registry.entries(kind)
-        if entry.plugin == plugin and entry.status not in ("ok", "overridden")
+        for entry in provided
+        if entry.kind != Kind.ENGINE_BACKENDS
+        and entry.status not in ("ok", "overridden")
+        and not (usable and entry.status == "unavailable")
     ]
 
 

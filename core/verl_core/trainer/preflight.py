@@ -19,8 +19,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import attrs
-
 from verl_core.config.engine import EngineConfig, ModelConfig
 from verl_core.config.run import RunConfig
 from verl_core.config.validators import each_rule
@@ -282,11 +280,18 @@ def _teachers(config: RunConfig, kind: TrainerKind, registry: Registry) -> Itera
     distillation = config.distillation
     if kind != "rl" or not distillation.enabled:
         return
+    from verl_core.trainer.build import load_tokenizer
+
     student = _model_config(config.actor.engine.model.path)
     student_vocabulary = None if student is None else student.get("vocab_size")
+    try:
+        student_tokenizer = load_tokenizer(config.actor.engine.model)  # once, for every teacher
+    except ConfigError:  # the student's tokenizer's own problem: reported by the model checks
+        student_tokenizer = None
     for name, teacher in distillation.teachers.items():
         where = f"distillation.teachers.{name}"
-        yield from _same_tokenizer(config, teacher.engine.model, f"{where}.engine.model.path")
+        if student_tokenizer is not None:
+            yield from _same_tokenizer(student_tokenizer, teacher.engine.model, f"{where}.engine.model.path")
         teacher_config = _model_config(teacher.engine.model.path)
         vocabulary = None if teacher_config is None else teacher_config.get("vocab_size")
         if isinstance(vocabulary, int) and teacher.top_k > vocabulary:
@@ -341,21 +346,13 @@ def _returns_top_k(
         )
 
 
-def _same_tokenizer(config: RunConfig, teacher: ModelConfig, key: str) -> Iterator[tuple[str, str]]:
-    """The teacher's tokenizer against the student's: the same vocabulary (every token, same id) and
+def _same_tokenizer(student: Any, teacher: ModelConfig, key: str) -> Iterator[tuple[str, str]]:
+    """The teacher's tokenizer against the ``student``'s: the same vocabulary (every token, same id) and
     the same special tokens. Cross-tokenizer distillation is out of scope (docs/distillation.md)."""
     from verl_core.trainer.build import load_tokenizer
 
     try:
-        student = load_tokenizer(config.actor.engine.model)
-    except ConfigError:  # the student's tokenizer's own problem: reported by the model checks
-        return
-    try:
-        theirs = load_tokenizer(
-            attrs.evolve(
-                config.actor.engine.model, path=teacher.path, trust_remote_code=teacher.trust_remote_code
-            )
-        )
+        theirs = load_tokenizer(teacher)
     except ConfigError as error:
         yield key, "; ".join(message for _, message in error.errors)
         return

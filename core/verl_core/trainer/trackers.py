@@ -179,7 +179,7 @@ class TrackioSink(BaseMetricSink):
         self._run.log({"val/samples": self._trackio.Table(columns=columns, data=data)}, step=step)
 
     def log_artifact(self, path: Path) -> None:
-        self._run.log_artifact(path, name=f"{path.stem}", type="plot")
+        self._run.log_artifact(path, name=path.stem, type="plot")
 
     def close(self) -> None:
         self._run.finish()

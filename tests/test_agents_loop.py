@@ -42,7 +42,7 @@ from verl_core.data.batch import (
 )
 from verl_core.errors import AgentError
 from verl_core.rollout.base import SamplingParams
-from verl_core.rollout.requests import RolloutRequest, one_prompt_call
+from verl_core.rollout.requests import FinishReason, RolloutRequest, RolloutResponse, one_prompt_call
 from verl_core.seeds import derive_seed
 
 TOKENIZER = build_chat_tokenizer()
@@ -187,6 +187,48 @@ def test_turns_and_cuts_are_counted_per_conversation() -> None:
     }
 
 
+class ScoringCuts(EnvironmentByRow):
+    """``EnvironmentByRow`` that scores a conversation the loop cut: 0.5 for ``max_turns``, 0.25 for the
+    response budget (``on_cut``)."""
+
+    def on_cut(self, reason: str) -> float | None:
+        self.cuts = getattr(self, "cuts", 0) + 1
+        return {"max_turns": 0.5, "response_length": 0.25}[reason]
+
+
+@pytest.mark.parametrize("way", ["run", "run_requests"])
+def test_an_environment_scores_the_conversations_the_loop_cut_once_each(way) -> None:
+    """The three ways a conversation ends besides being cut get the step's reward (1 when done, else
+    none); a cut one gets ``on_cut``'s, from ``on_cut`` called once; an environment without ``on_cut``
+    (``EnvironmentByRow``, as the base class's ``None``) leaves a cut one's reward as the steps gave it."""
+    tool = [{"role": "tool", "content": "42"}]
+    reply = encode("x") + [EOS]
+    scripts = [([], [reply]), ([tool] * 3, [reply] * 3), ([], [encode("abcdefghij" * 8)])]
+    config = AgentConfig(max_turns=3)
+    rows = [answers for answers, _ in scripts]
+    rewards = {}
+    for environment in (ScoringCuts, EnvironmentByRow):
+        made: list = []
+
+        def make(config, environment=environment, made=made):
+            made.append(environment([]))
+            return made[-1]
+
+        loop = AgentLoop(TEMPLATE, make, config, response_length=60)
+        replies = [replies for _, replies in scripts]
+        if way == "run":
+            _, conversations = loop.run(scripted_generate(replies), [[5]] * 3, rows, [[]] * 3, SAMPLING, 0)
+        else:
+            _, conversations = asyncio.run(
+                loop.run_requests(scripted_submit(replies), [[5]] * 3, rows, [[]] * 3, SAMPLING, 0)
+            )
+        assert [c.cut for c in conversations] == [None, "max_turns", "response_length"]
+        rewards[environment.__name__] = [c.reward for c in conversations]
+        assert [getattr(e, "cuts", 0) for e in made] == ([0, 1, 1] if environment is ScoringCuts else [0] * 3)
+    # The budget's cut came after the environment's done (reward 1), which on_cut replaces.
+    assert rewards == {"ScoringCuts": [1.0, 0.5, 0.25], "EnvironmentByRow": [1.0, None, 1.0]}
+
+
 @pytest.mark.parametrize(
     ("template", "problem"),
     [
@@ -263,6 +305,21 @@ def log_prob_mismatch(model, batch: TensorDict) -> float:
     log_probs = logits[:, -width - 1 : -1].log_softmax(-1).gather(-1, batch[RESPONSES][..., None])[..., 0]
     model_tokens = batch[RESPONSE_MASK].bool()
     return float((log_probs - batch[ROLLOUT_LOG_PROBS])[model_tokens].abs().max())
+
+
+def scripted_submit(replies: list[list[list[int]]]):
+    """``scripted_generate`` as ``run_requests``'s ``submit``: conversation ``i`` (from its session key)
+    answered ``replies[i]`` turn after turn."""
+    turns = [0] * len(replies)
+
+    async def submit(request: RolloutRequest, session: str) -> RolloutResponse:
+        index = int(session.split("-")[1])
+        ids = replies[index][turns[index]][: request.sampling.max_new_tokens]
+        turns[index] += 1
+        finish = FinishReason.EOS if ids and ids[-1] == EOS else FinishReason.LENGTH
+        return RolloutResponse(request.request_id, ids, [-float(i) for i in ids], finish)
+
+    return submit
 
 
 def submitting(generate):

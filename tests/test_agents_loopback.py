@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from fixtures.demo import run_overrides
 from fixtures.servers import chat_run_paths, free_port, serving
-from fixtures.sockets import describe, install_spy, recorded
+from fixtures.sockets import describe, install_spy, recorded, run_script, spied_environment
 
 pytest.importorskip("mcp", reason='the mcp extra: pip install "verl-core[mcp]"')
 pytest.importorskip("openenv", reason='the openenv extra: pip install "verl-core[openenv]"')
@@ -44,13 +44,7 @@ for overrides in json.loads(sys.argv[1]):
 
 
 def test_the_adapters_reach_nothing_beyond_loopback(tmp_path) -> None:
-    log = tmp_path / "sockets.jsonl"
-    spy = install_spy(tmp_path / "spy")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(spy), os.environ.get("PYTHONPATH", "")]),
-        "VERL_TEST_SOCKET_LOG": str(log),
-    }
+    env, log = spied_environment(tmp_path)
     paths = chat_run_paths(tmp_path, [{"prompt": f"say {n}", "ground_truth": str(n)} for n in range(4)])
     common = {
         "data.apply_chat_template": "true",
@@ -79,14 +73,7 @@ def test_the_adapters_reach_nothing_beyond_loopback(tmp_path) -> None:
         serving([*MCP_SERVER, "--http", str(mcp_port)], mcp_port, tmp_path, env=env),
         serving([*OPENENV_SERVER, str(openenv_port)], openenv_port, tmp_path, env=env),
     ):
-        done = subprocess.run(
-            [sys.executable, "-c", TRAIN, json.dumps(runs)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-    assert done.returncode == 0, done.stderr[-3000:]
+        run_script(TRAIN, json.dumps(runs), env=env)
     started, calls = recorded(log)
     commands = [line["argv"] for line in started]
     # The calculator served over HTTP, and started over stdio by the trainer; OpenEnv's server; the trainer.

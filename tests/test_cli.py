@@ -438,3 +438,58 @@ def test_the_stop_line_comes_as_the_signal_arrives_not_when_the_main_thread_gets
     assert described == [(EXIT_INTERRUPTED, False)] and stop.code == EXIT_INTERRUPTED
     assert capsys.readouterr().err == "verl-core: interrupted here\n"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler and signal.set_wakeup_fd(-1) == -1
+
+
+def _serve_yaml(tmp_path: Path, **changes: object) -> Path:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    values = {
+        "base_models": {"tiny": str(model)},
+        "state_dir": str(tmp_path / "state"),
+        "engine": {"backend": "ddp", "device": "cpu"},
+        "token": "tml-test",
+    } | changes
+    path = tmp_path / "serve.yaml"
+    path.write_text(json.dumps(values))
+    return path
+
+
+def test_serve_checks_its_config_before_starting(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("VERL_CORE_SERVE_TOKEN", raising=False)
+    config = _serve_yaml(tmp_path, token="", base_models={"tiny": str(tmp_path / "missing")})
+    assert main(["serve", str(config), "port=-1", "engine.backend=dpp"]) == 2
+    err = capsys.readouterr().err
+    assert "token: required: set token (or the environment variable VERL_CORE_SERVE_TOKEN)" in err
+    assert f"base_models.tiny: '{tmp_path / 'missing'}' is not a Hugging Face model folder" in err
+    assert "port: must be" in err and "engine.backend" in err and "ddp" in err
+    assert main(["serve", str(_serve_yaml(tmp_path, token="secret"))]) == 2
+    assert "token: must start with 'tml-'" in capsys.readouterr().err
+    assert main(["serve"]) == 2
+    assert "no config given" in capsys.readouterr().err
+
+
+def test_serve_config_takes_the_token_from_the_environment_and_defaults_the_engine_model(
+    tmp_path, monkeypatch
+):
+    from verl_core.config import load_serve_config
+
+    monkeypatch.setenv("VERL_CORE_SERVE_TOKEN", "tml-from-env")
+    config = load_serve_config([_serve_yaml(tmp_path, token="")])
+    assert config.resolved_token() == "tml-from-env"
+    assert (config.host, config.port) == ("127.0.0.1", 8000)  # loopback unless told otherwise
+    assert config.engine.model.path == str(tmp_path / "model")
+
+
+def test_the_serve_example_loads(tmp_path, monkeypatch):
+    """examples/serve/serve.yaml is a valid config once its demo model exists (here a stand-in folder)."""
+    from verl_core.config import load_serve_config
+
+    monkeypatch.setenv("VERL_CORE_SERVE_TOKEN", "tml-change-me")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    example = Path(__file__).parents[1] / "examples" / "serve" / "serve.yaml"
+    config = load_serve_config([example], [f"base_models={{verl-demo/tiny: {model}}}"])
+    assert (config.host, config.port, list(config.base_models)) == ("127.0.0.1", 8000, ["verl-demo/tiny"])
+    assert config.engine.backend == "ddp" and config.engine.model.path == str(model)

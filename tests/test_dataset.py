@@ -204,7 +204,7 @@ def test_plain_prompts_keep_every_other_column_as_extra(tmp_path, tokenizer, wri
     first_extra = {"ground_truth": "2", "data_source": "toy"} | (
         {} if writer is write_jsonl else {"meta": None}
     )
-    assert first == PromptRow(tuple(tokenizer("1+1=")["input_ids"]), "1+1=", first_extra)
+    assert first == PromptRow(tuple(tokenizer("1+1=")["input_ids"]), "1+1=", first_extra, "1+1=")
     assert first.prompt_ids[0] == BOS  # the tokenizer's own special tokens, as it adds them by default
     assert second.extra == {"ground_truth": "5", "data_source": "toy", "meta": {"level": 1, "tags": ["a"]}}
     assert dataset.select([1, 0]) == [second, first]

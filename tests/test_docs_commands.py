@@ -46,6 +46,12 @@ NOT_RUN = {
     "(built small; tests/test_agents_demo.py runs the builder)",
     "python examples/openenv/echo_server.py": "starts a server that runs until it is stopped "
     "(tests/test_agents_openenv.py serves it, and trains against it)",
+    "python examples/verifiers/export_dataset.py": "needs the verifiers extra, which the tests session "
+    "lacks (tests/test_agents_verifiers.py runs it in the integrations session, and trains on its output)",
+    "VERL_CORE_SERVE_TOKEN=tml-change-me verl-core serve": "starts a server that runs until it is stopped "
+    "(tests/test_service_server.py serves the same config's kind, and trains against it)",
+    "TINKER_BASE_URL=": "runs the tinker client, an integration package, against a running server "
+    "(tests/test_service_server.py runs the page's my_tinker_loop.py against `verl-core serve`)",
 }
 #: Words a reader replaces before running the command.
 PLACEHOLDERS = ("HEAD_IP", "run.yaml")
@@ -75,8 +81,9 @@ def why_not_run(command: str) -> str | None:
         return "runs a whole nox session (CI runs `nox`; the demo session is the README's main job)"
     if any(word in command for word in PLACEHOLDERS):
         return "holds a placeholder the reader fills in (a cluster's address, their own config)"
-    for adapter, module in (("mcp", "mcp"), ("openenv", "openenv")):
-        if f"rollout.agent.environment={adapter}" in command and importlib.util.find_spec(module) is None:
+    for adapter, module in (("mcp", "mcp"), ("openenv", "openenv"), ("verifiers", "verifiers")):
+        selects = f"rollout.agent.environment={adapter}" in command or f"examples/{adapter}/" in command
+        if selects and importlib.util.find_spec(module) is None:
             return f'needs the {adapter} extra, which this environment lacks (pip install "verl-core[{adapter}]")'
     if "rollout.backend=vllm" in command and importlib.util.find_spec("vllm") is None:
         return (

@@ -175,7 +175,8 @@ def shared_and_padded(dirs):
 @given(batch=prompt_groups_batch())
 def test_shared_prompts_give_the_unshared_log_probs_and_gradients(shared_and_padded, batch) -> None:
     """Each group's prompt packed once (its samples' responses reading that copy) against every
-    sample computed with its own prompt, padded: log-probs and entropy within 1e-5, gradients 1e-6."""
+    sample computed with its own prompt, padded: log-probs and entropy within 1e-5, gradients within 1e-6
+    of each tensor's largest entry."""
     mask = response_token_mask(batch)
     results = []
     for model, packing in zip(shared_and_padded, (True, False), strict=True):
@@ -187,7 +188,10 @@ def test_shared_prompts_give_the_unshared_log_probs_and_gradients(shared_and_pad
     for name in padded:
         torch.testing.assert_close(shared[name] * mask, padded[name] * mask, atol=1e-5, rtol=1e-5, msg=name)
     for name, grad in padded_grads.items():
-        torch.testing.assert_close(shared_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+        # float32 sums in another order: a shared prompt token's embedding gradient (entries up to ~9)
+        # differed by 1.4e-6, two ulps, in 1 of 200 examples; 1e-6 of the tensor's largest entry holds.
+        scale = max(1.0, float(grad.abs().max()))
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-6 * scale, rtol=1e-5, msg=name)
     groups = prompt_groups(batch["input_ids"], batch["attention_mask"], batch["responses"].shape[-1])
     packed = pack_sequences(batch["attention_mask"], batch["responses"].shape[-1], groups)
     prompt_tokens = batch["attention_mask"][:, : -batch["responses"].shape[-1]].sum(dim=-1)

@@ -69,6 +69,8 @@ if os.environ.get("VERL_TEST_HOLD_EXPORT"):
     hf_export.export_hf_model = _held
 if os.environ.get("VERL_TEST_ENDLESS_RELEASE"):
     cli._release = lambda trainer: threading.Event().wait()
+if os.environ.get("VERL_TEST_ENDLESS_EXIT"):  # a thread the interpreter's exit waits for, forever
+    threading.Thread(target=threading.Event().wait, name="never-ends").start()
 if os.environ.get("VERL_TEST_STOP_DEADLINE_S"):
     cli.STOP_DEADLINE_S = float(os.environ["VERL_TEST_STOP_DEADLINE_S"])
 sys.exit(cli.main(sys.argv[1:]))
@@ -151,7 +153,13 @@ class Run:
         """Send ``signal_number`` to the run's process group; the seconds until the trainer exited."""
         started = time.monotonic()
         os.killpg(self.process.pid, signal_number)
-        self.process.wait(timeout=timeout)
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            name = signal.Signals(signal_number).name
+            raise AssertionError(
+                f"the run still ran {timeout} s after {name}: {self.err.read_text()[-3000:]}"
+            ) from None
         return time.monotonic() - started
 
     def leftovers(self, grace: float = 10) -> list[str]:
@@ -202,7 +210,7 @@ def assert_stopped_in_time(run: Run, seconds: float) -> None:
     released (seen once in CI: Ray's calls then wait for them), at the stop deadline, saying so."""
     from verl_core.cli import STOP_DEADLINE_S
 
-    if "the run's workers were not released" in run.err.read_text():
+    if "the run did not end within" in run.err.read_text():
         assert seconds < STOP_DEADLINE_S + 10, f"{seconds:.1f} s to stop"
     else:
         assert seconds < 15, f"{seconds:.1f} s to stop"
@@ -239,7 +247,10 @@ def test_ctrl_c_stops_a_local_ray_run_in_seconds_and_nothing_leaves_loopback(dem
         assert_stopped_in_time(run, seconds)
         match = stop_line(run.err.read_text(), "interrupted")
         step, saved = int(match.group(1)), int(match.group(3))
-        assert saved >= 1 and saved < step <= saved + 2  # the step running, or its checkpoint being saved
+        # The step running, or its checkpoint being saved: one that completed as the signal came (the line
+        # read the stage, then the checkpoints) is the last one already.
+        finished_saving = "while saving the checkpoint of" in match.group(0) and saved == step
+        assert saved >= 1 and (saved < step <= saved + 2 or finished_saving), match.group(0)
         assert (tmp_path / match.group(2)).resolve() == tmp_path / "checkpoints" / f"global_step_{saved}"
         assert saved == checkpoints.complete_checkpoints(tmp_path / "checkpoints")[-1][0]
         assert not run.leftovers()
@@ -359,11 +370,14 @@ def test_ctrl_c_under_nox_prints_the_stop_line_before_the_workers_are_released(d
     assert Path(match.group(2)) == tmp_path / "checkpoints" / f"global_step_{saved}"
 
 
-def test_a_stop_whose_release_never_ends_exits_at_the_deadline(demo, tmp_path) -> None:
+@pytest.mark.parametrize("endless", ["VERL_TEST_ENDLESS_RELEASE", "VERL_TEST_ENDLESS_EXIT"])
+def test_a_stop_whose_release_never_ends_exits_at_the_deadline(demo, tmp_path, endless) -> None:
     """SIGTERM to a whole Ray run can end Ray's processes before the trainer releases its ranks, and
-    Ray's calls then wait for them (once over a minute in CI). Here the release never ends: the run
-    exits STOP_DEADLINE_S after the signal (3 s here), with SIGTERM's code, saying so after the stop line."""
-    hooks = {"VERL_TEST_ENDLESS_RELEASE": "1", "VERL_TEST_STOP_DEADLINE_S": "3"}
+    Ray's calls then wait for them (once over a minute in CI); or what waits on them holds the
+    interpreter's exit after the release (a thread that never ends: seen in CI after a SIGTERM while
+    saving a checkpoint). Here the release, or the exit, never ends: the run exits STOP_DEADLINE_S after
+    the signal (3 s here), with SIGTERM's code, saying so after the stop line."""
+    hooks = {endless: "1", "VERL_TEST_STOP_DEADLINE_S": "3"}
     run = Run(demo, tmp_path, hooks=hooks, **{"trainer.workers": "in_process"})
     try:
         run.wait_for_step(2)
@@ -374,7 +388,7 @@ def test_a_stop_whose_release_never_ends_exits_at_the_deadline(demo, tmp_path) -
     assert run.process.returncode == 143, err[-3000:]
     assert seconds >= 3, f"exited {seconds:.1f} s after the signal, before the deadline"
     stop_line(err, "stopped by SIGTERM")
-    assert "the run's workers were not released within 3 s of the stop" in err, err[-3000:]
+    assert "the run did not end within 3 s of the stop" in err, err[-3000:]
 
 
 @pytest.fixture(scope="module")

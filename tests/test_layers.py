@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("toolkit",),
     ("rollout", "reward", "agents"),
     ("testing",),
-    ("workers",),
+    ("workers", "service"),
     ("trainer", "cli", "__main__", "_builtin"),
 ]
 LAYER = {unit: level for level, units in enumerate(LAYERS) for unit in units}

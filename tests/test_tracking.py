@@ -272,6 +272,50 @@ def test_trackio_local_keeps_every_step_once_across_a_resume(demo, tmp_path) -> 
     del run_dir
 
 
+# -- nothing beyond loopback ------------------------------------------------------------------------
+
+#: Trains argv[1]'s overrides in process.
+TRAIN = """
+import json, sys
+from verl_core.config import load_config
+from verl_core.trainer.rl import RLTrainer
+
+trainer = RLTrainer.from_config(load_config([], json.loads(sys.argv[1])), show_progress=False)
+try:
+    trainer.fit()
+finally:
+    trainer.shutdown()
+"""
+
+
+def test_a_run_logging_to_every_tracker_reaches_nothing_beyond_loopback(
+    demo, tmp_path, mlflow_server
+) -> None:
+    """One GRPO step logged to wandb (offline), MLflow (the server on loopback) and trackio (local) at
+    once, the trainer under the socket spy of tests/test_everyday_faults.py, which records every socket
+    call of its Python processes naming another address. wandb's own service (``wandb-core``) is a Go
+    binary the spy cannot see: offline mode keeps it to its files."""
+    pytest.importorskip("wandb")
+    pytest.importorskip("trackio")
+    from fixtures.sockets import describe, recorded, run_script, spied_environment
+
+    env, log = spied_environment(tmp_path)
+    overrides = run_overrides(
+        demo,
+        tmp_path,
+        **{
+            "trainer.logger": "[console,wandb,mlflow,trackio]",
+            "trainer.tracking_uri": mlflow_server,
+            "trainer.total_training_steps": 1,
+        },
+    )
+    done = run_script(TRAIN, json.dumps(overrides), env=env)
+    assert "verl-core: warning:" not in done.stderr, done.stderr[-3000:]  # no sink failed: each logged
+    started, calls = recorded(log)
+    assert any(line["argv"].startswith("-c ") for line in started)  # the spy ran in the trainer
+    assert not calls, "a process reached beyond loopback:\n" + describe(calls)
+
+
 # -- failing and slow sinks, with no tracker library -------------------------------------------------
 
 

@@ -3,7 +3,7 @@
 ``verl-core plugins`` lists the installed plugins and what they provide, broken ones included; it
 imports no torch, cattrs, yaml or backend so that it answers fast. ``verl-core config`` prints a
 fully resolved configuration as YAML, or every validation error. ``verl-core plot`` redraws a run's
-curves from its metrics file.
+curves from its metrics file. ``verl-core serve`` serves Tinker's API over local models.
 """
 
 from __future__ import annotations
@@ -142,6 +142,19 @@ def _build_parser() -> argparse.ArgumentParser:
         help="with several RUN_DIRs, the comparison's PNG (default: comparison.png)",
     )
     plot.set_defaults(run=_run_plot)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve Tinker's API over local models, for the tinker client and tinker-cookbook's loops",
+        description="Load the serve config (FILES and dotted overrides, as `verl-core config`; every "
+        "error reported before anything starts), then answer the tinker client on host:port (loopback "
+        "by default) for clients that send the token, training and sampling the base models of the "
+        "config, with states under state_dir (docs/embedding.md, 'Serving the Tinker API'). Prints "
+        "`verl-core serve: listening on http://HOST:PORT` once ready; stops on Ctrl-C or SIGTERM. "
+        "Exit 2: invalid input; 0: stopped.",
+    )
+    _add_config_arguments(serve)
+    serve.set_defaults(run=_run_serve)
     return parser
 
 
@@ -309,7 +322,7 @@ def _run_trainer(args: argparse.Namespace, import_trainer: Any, rl_rules: bool) 
     def stopped(code: int) -> str:
         return _stopped_message(config, trainer, code)
 
-    with _StopSignals(stopped) as stop:
+    with _StopSignals(stopped, bound_exit=True) as stop:
         try:
             if not args.items and not args.override:
                 print(
@@ -419,13 +432,16 @@ class _StopSignals:
     run, then kills it 0.5 s later, so the line must not wait for the main thread or the release.
 
     A run that has not left the block ``STOP_DEADLINE_S`` after the first signal exits there, saying so,
-    with that signal's exit code."""
+    with that signal's exit code. With ``bound_exit`` (the CLI's runs) the deadline also holds after the
+    block, until the process has exited: a thread or an exit handler still waiting on workers that are
+    gone would hold the interpreter's exit forever (seen in CI after a SIGTERM while saving a checkpoint)."""
 
     SIGNALS = {signal.SIGINT: EXIT_INTERRUPTED, signal.SIGTERM: EXIT_TERMINATED}
 
-    def __init__(self, describe: Callable[[int], str]) -> None:
+    def __init__(self, describe: Callable[[int], str], bound_exit: bool = False) -> None:
         self.code = 0
         self.describe = describe
+        self.bound_exit = bound_exit
         self.previous: dict[int, Any] = {}
         self._said = False
         self._lock = threading.RLock()  # a second signal may interrupt the handler holding it
@@ -460,8 +476,8 @@ class _StopSignals:
         from verl_core.trainer import console
 
         console.say(
-            f"verl-core: the run's workers were not released within {STOP_DEADLINE_S:.0f} s of the stop "
-            "(their processes may have stopped first): exiting without them"
+            f"verl-core: the run did not end within {STOP_DEADLINE_S:.0f} s of the stop (the release of its "
+            "workers, or what waits on them; their processes may have stopped first): exiting without them"
         )
         sys.stdout.flush()
         sys.stderr.flush()
@@ -495,8 +511,8 @@ class _StopSignals:
             signal.signal(number, signal.SIG_IGN)
 
     def __exit__(self, *exc_info: Any) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
+        if self._deadline is not None and not self.bound_exit:
+            self._deadline.cancel()  # (a daemon thread: with bound_exit, it ends with the process)
         for number, handler in self.previous.items():
             signal.signal(number, handler if handler is not None else signal.SIG_DFL)
         if self._wakeup is not None:
@@ -545,6 +561,97 @@ def _stopped_message(config: Any, trainer: Any, code: int) -> str:
     if settings.resume_mode != "auto":
         resume = "run the same command with trainer.resume_mode=auto to resume"
     return f"{what} {where}; the last checkpoint is {path} (step {step}): {resume}"
+
+
+# -- verl-core serve ------------------------------------------------------------------------------
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from verl_core.config import load_serve_config
+    from verl_core.config.loading import OVERRIDES_SOURCE, looks_like_key
+    from verl_core.errors import ConfigError
+
+    if not args.items and not args.override:
+        print(
+            "error: no config given: verl-core serve CONFIG.yaml [KEY=VALUE ...] (examples/serve/ has one)",
+            file=sys.stderr,
+        )
+        return 2
+    paths = [item for item in args.items if "=" not in item]
+    overrides = [item for item in args.items if "=" in item] + args.override
+    mistaken = [item for item in paths if not os.path.exists(item) and looks_like_key(item)]
+    try:
+        if mistaken:
+            raise ConfigError(
+                [
+                    ("", f"{item!r} is not a file and looks like an override missing '=': write key=value")
+                    for item in mistaken
+                ],
+                source=OVERRIDES_SOURCE,
+            )
+        config = load_serve_config(paths, overrides)
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
+    from verl_core.service import ServiceClient
+    from verl_core.service.server import TinkerServer
+
+    service = ServiceClient(
+        config.base_models, state_dir=config.state_dir, engine=config.engine, rollout=config.rollout
+    )
+    try:
+        server = TinkerServer(
+            service,
+            config.resolved_token(),
+            host=config.host,
+            port=config.port,
+            samplers_in_memory=config.samplers_in_memory,
+            session_timeout_s=config.session_timeout_s,
+        )
+    except OSError as error:
+        print(f"error: cannot listen on {config.host}:{config.port} (host, port): {error}", file=sys.stderr)
+        return 2
+    host, port = server.address
+    if not _is_loopback(host):
+        print(
+            f"verl-core serve: warning: host {host} serves other machines too: anyone who reaches it with "
+            "the token trains and samples here (host: 127.0.0.1 keeps it to this machine)",
+            file=sys.stderr,
+        )
+    url_host = f"[{host}]" if ":" in host else host
+    print(
+        f"verl-core serve: listening on http://{url_host}:{port} (base models: {', '.join(config.base_models)})",
+        file=sys.stderr,
+        flush=True,
+    )
+    stop = threading.Event()
+
+    def stopped(number: int, frame: Any) -> None:
+        stop.set()
+
+    previous = signal.signal(signal.SIGTERM, stopped)
+    thread = threading.Thread(target=server.serve_forever, name="verl-core-serve", daemon=True)
+    thread.start()
+    try:
+        while not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        server.shutdown()
+        service.close()
+    print("verl-core serve: stopped", file=sys.stderr)
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return host == "localhost"
 
 
 # -- verl-core plot -------------------------------------------------------------------------------

@@ -28,4 +28,13 @@ ENVIRONMENTS: tuple[Environment, ...] = (
         requires=("openenv",),
         install='pip install "verl-core[openenv]"',
     ),
+    Environment(
+        name="verifiers",
+        environment="verl_core.agents.adapters.verifiers_env:VerifiersConversation",
+        description="a verifiers environment module (rollout.agent.options.env_id), its rubric as the reward",
+        start="verl_core.agents.adapters.verifiers_env:start",
+        options="verl_core.agents.adapters.verifiers_env:VerifiersOptions",
+        requires=("verifiers",),
+        install='pip install "verl-core[verifiers]"',
+    ),
 )

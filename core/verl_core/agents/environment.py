@@ -77,6 +77,13 @@ class BaseEnvironment(abc.ABC):
     def step(self, model_text: str) -> StepResult:
         """Answer the model's latest turn (its text, the end-of-turn token left out)."""
 
+    def on_cut(self, reason: str) -> float | None:
+        """The loop ended the conversation before the environment did (``reason``, as
+        ``Conversation.cut``: ``max_turns``, or ``response_length``: the response budget is spent); the
+        conversation's reward as it stands, replacing any a step gave, or ``None`` to keep that (the
+        reward function scores a conversation that has none). Called once, after the last step."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - most environments hold nothing to release
         """Release what the conversation holds (a session on a server); called once when the step's
         conversations are over, however they ended."""

@@ -139,6 +139,7 @@ class AgentLoop:
         steps = EnvironmentSteps(self.config.environment_threads, self.config.step_timeout_s)
         try:
             self._turns(generate, environments, conversations, rows, steps, sampling, seed)
+            self._score_cut(environments, conversations, rows)
         finally:
             close_environments(environments)
         return self.to_batch(conversations, sampling.pad_token_id), conversations
@@ -212,6 +213,7 @@ class AgentLoop:
                     )
                 ]
             )
+            self._score_cut(environments, conversations, rows)
         finally:
             close_environments(environments)
         return self.to_batch(conversations, sampling.pad_token_id), conversations
@@ -262,6 +264,25 @@ class AgentLoop:
             [(environment, reply.text, f"turn {conversation.turns} of a conversation")]
         )
         self._answer(conversation, reply, result)
+
+    def _score_cut(
+        self, environments: list[Any], conversations: list[Conversation], rows: Sequence[Any]
+    ) -> None:
+        """The reward of each conversation the loop cut, from its environment's ``on_cut`` (where it has
+        one, and returns a reward)."""
+        for index, (environment, conversation) in enumerate(zip(environments, conversations, strict=True)):
+            on_cut = getattr(environment, "on_cut", None)
+            if conversation.cut is None or not callable(on_cut):
+                continue
+            try:
+                reward = on_cut(conversation.cut)
+            except Exception as error:
+                where = self._where(index, rows[index], conversation.turns - 1)
+                raise AgentError(
+                    f"{type(environment).__name__}.on_cut raised {type(error).__name__}: {error}, at {where}"
+                ) from error
+            if reward is not None:
+                conversation.reward = float(reward)
 
     def environments(self, rows: Sequence[Any]) -> list[Any]:
         """One environment per conversation, ``reset`` to its row (tests/test_agents_loop.py keeps a

@@ -32,6 +32,7 @@ _EXPORTS = {
     "RewardConfig": "verl_core.config.run",
     "RolloutConfig": "verl_core.config.run",
     "RunConfig": "verl_core.config.run",
+    "ServeConfig": "verl_core.config.serve",
     "TrainerConfig": "verl_core.config.run",
     "InvalidValue": "verl_core.config.validators",
     "at_least": "verl_core.config.validators",
@@ -47,6 +48,7 @@ _EXPORTS = {
     "unstructure": "verl_core.config.convert",
     "dump_yaml": "verl_core.config.loading",
     "load_config": "verl_core.config.loading",
+    "load_serve_config": "verl_core.config.loading",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -22,6 +22,7 @@ from verl_core.config import yaml_io
 from verl_core.config.convert import join_path, structure_with_warnings, unstructure
 from verl_core.config.engine import EngineConfig
 from verl_core.config.run import RL_RULES, RunConfig
+from verl_core.config.serve import ServeConfig
 from verl_core.errors import ConfigError, ConfigWarning
 
 if TYPE_CHECKING:
@@ -187,6 +188,39 @@ def load_config(
     A decaying learning rate's ``optim.total_steps: 0`` stays 0 here: the trainer fills in the run's
     optimiser steps once it knows the run's length (``fill_total_steps``).
     """
+    token = RL_RULES.set(rl_rules)
+    try:
+        return _load(paths, overrides, RunConfig, registry)
+    finally:
+        RL_RULES.reset(token)
+
+
+def load_serve_config(
+    paths: Iterable[str | os.PathLike[str]] = (),
+    overrides: Iterable[str] = (),
+    *,
+    registry: Registry | None = None,
+) -> ServeConfig:
+    """``verl-core serve``'s config, as ``load_config`` loads a run's; ``engine.model`` defaults to
+    the first base model's folder."""
+
+    def default_model(data: dict[str, Any]) -> None:
+        engine, models = data.get("engine"), data.get("base_models")
+        if isinstance(engine, dict) and "model" not in engine and isinstance(models, dict) and models:
+            engine["model"] = {"path": next(iter(models.values()))}
+
+    return _load(paths, overrides, ServeConfig, registry, prepare=default_model)
+
+
+def _load(
+    paths: Iterable[str | os.PathLike[str]] | str | os.PathLike[str],
+    overrides: Iterable[str] | str,
+    cls: type[Any],
+    registry: Registry | None,
+    prepare: Any = None,
+) -> Any:
+    """``cls`` from the YAML files ``paths`` and ``overrides`` (``load_config``'s rules); ``prepare``
+    may fill in defaults of the merged data first."""
     files = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
     layers = _LayeredData()
     for file in files:
@@ -200,6 +234,8 @@ def load_config(
             override_errors.append(("", str(exc)))
     if override_errors:
         raise ConfigError(override_errors, source=OVERRIDES_SOURCE)
+    if prepare is not None:
+        prepare(layers.data)
 
     named_by_source = files if len(files) == 1 else []
 
@@ -209,16 +245,12 @@ def load_config(
 
     source = ", ".join(files) or None
     try:
-        token = RL_RULES.set(rl_rules)
-        try:
-            config, ignored = structure_with_warnings(layers.data, RunConfig, registry=registry)
-        finally:
-            RL_RULES.reset(token)
+        config, ignored = structure_with_warnings(layers.data, cls, registry=registry)
     except ConfigError as exc:
         errors = [(path, with_origin(path, message)) for path, message in exc.errors]
         raise ConfigError(errors, source=source) from None
     for path, message in ignored:
-        warnings.warn(ConfigWarning(f"{path}: {with_origin(path, message)}"), stacklevel=2)
+        warnings.warn(ConfigWarning(f"{path}: {with_origin(path, message)}"), stacklevel=3)
     return config
 
 

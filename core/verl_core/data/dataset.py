@@ -47,12 +47,15 @@ class PromptRow:
 
     ``prompt_ids``: its token ids (what the rollout generates from); ``prompt_text``: the text the
     model sees, after the chat template (what the reward function gets as ``prompt``); ``extra``:
-    every other column of the row, by name (the reward function's ``extra``).
+    every other column of the row, by name (the reward function's ``extra``); ``prompt``: the prompt
+    column as the row holds it, a string or chat messages (an environment that runs its own
+    conversation, as verifiers' do, starts from the messages).
     """
 
     prompt_ids: tuple[int, ...]
     prompt_text: str
     extra: dict[str, Any]
+    prompt: Any = None
 
 
 class PromptDataset:
@@ -91,9 +94,10 @@ class PromptDataset:
         self.config_path = config_path
         self.max_prompt_length = max_prompt_length
         self.num_rows = len(rows)
-        texts, extras = [], []
+        prompts, texts, extras = [], [], []
         for index in range(len(rows)):
             prompt = column_value(rows, index, prompt_key, PROMPT_KEY_KEY, config_path)
+            prompts.append(prompt)
             texts.append(
                 render_prompt(tokenizer, prompt, apply_chat_template, rows, index, config_path, prompt_key)
             )
@@ -102,9 +106,9 @@ class PromptDataset:
 
         self._items: list[PromptRow] = []
         kept: list[int] = []
-        for index, (ids, text, extra) in enumerate(zip(all_ids, texts, extras, strict=True)):
+        for index, (ids, text, extra, prompt) in enumerate(zip(all_ids, texts, extras, prompts, strict=True)):
             if len(ids) <= max_prompt_length:
-                self._items.append(PromptRow(ids, text, extra))
+                self._items.append(PromptRow(ids, text, extra, prompt))
                 kept.append(index)
             elif not filter_overlong:
                 raise DataError(

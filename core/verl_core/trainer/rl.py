@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -490,28 +490,29 @@ class RLTrainer(Trainer):
 
     def score(self, batch: TensorDict, rows: list[PromptRow]) -> tuple[torch.Tensor, dict[str, float]]:
         # rows[i] is the prompt of the responses whose UID is i.
-        """Each response's score from the reward function, and the step's reward metrics."""
+        """Each response's score: its environment's reward where it gave one (multi-turn), else the reward
+        function's (which then scores only those responses); and the step's reward metrics."""
         index = batch[UID].tolist()
-        responses = decode_responses(self.tokenizer, batch)
+        scores = torch.full((len(index),), float("nan"))
+        if ENVIRONMENT_REWARDS in batch.keys():
+            scores = batch[ENVIRONMENT_REWARDS].float().clone()
+        unscored = scores.isnan().nonzero().flatten().tolist()
         result = score_responses(
             self.reward_function,
-            [rows[i].prompt_text for i in index],
-            responses,
-            [rows[i].extra for i in index],
+            [rows[index[i]].prompt_text for i in unscored],
+            decode_responses(self.tokenizer, batch, unscored),
+            [rows[index[i]].extra for i in unscored],
             on_error=self.config.reward.on_error,
             name=self.config.reward.function,
         )
         if result.first_error and not self._reward_failure_shown:  # reward.on_error=zero: once per run
             self._reward_failure_shown = True
             console.warn(
-                f"the reward function failed on {result.num_errors} of {len(responses)} sample(s), scored 0 "
+                f"the reward function failed on {result.num_errors} of {len(unscored)} sample(s), scored 0 "
                 f"(reward.on_error=zero; later failures are counted in reward/errors only). The first: "
                 f"{result.first_error}"
             )
-        scores = torch.tensor(result.scores, dtype=torch.float32)
-        if ENVIRONMENT_REWARDS in batch.keys():  # an environment's reward replaces the function's
-            from_environment = batch[ENVIRONMENT_REWARDS]
-            scores = torch.where(from_environment.isnan(), scores, from_environment.float())
+        scores[unscored] = torch.tensor(result.scores, dtype=torch.float32)
         metrics = {
             **result.step_metrics(),  # the function's own metrics first: they cannot replace these
             REWARD_KEY: float(scores.mean()),
@@ -639,12 +640,13 @@ def outcome_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.
     return rewards
 
 
-def decode_responses(tokenizer: Any, batch: TensorDict) -> list[str]:
-    """Each response's text, padding and special tokens (the EOS) removed. A multi-turn response is
-    the whole conversation after the prompt: the model's turns and the environment's messages."""
-    width = batch[RESPONSES].shape[-1]
-    mask = batch[ATTENTION_MASK][:, -width:].bool()
-    return tokenizer.batch_decode(
-        [row[row_mask].tolist() for row, row_mask in zip(batch[RESPONSES], mask, strict=True)],
-        skip_special_tokens=True,
-    )
+def decode_responses(tokenizer: Any, batch: TensorDict, rows: Sequence[int] | None = None) -> list[str]:
+    """Each response's text (of ``rows`` only, when given), padding and special tokens (the EOS)
+    removed. A multi-turn response is the whole conversation after the prompt: the model's turns and
+    the environment's messages."""
+    responses = batch[RESPONSES]
+    mask = batch[ATTENTION_MASK][:, -responses.shape[-1] :].bool()
+    rows = range(len(responses)) if rows is None else rows
+    if not rows:  # batch_decode([]) is not [] for every tokenizer
+        return []
+    return tokenizer.batch_decode([responses[i][mask[i]].tolist() for i in rows], skip_special_tokens=True)

@@ -12,7 +12,7 @@ folder once; the script says how to get the wheel when it is missing). Three par
    variant prints its time per decoding step (prefill excluded: the run with 1 token is subtracted)
    and the share of the limit it reaches. The variants: ``torch.multinomial`` sampling with plain
    products (before), then inverse-CDF sampling with each of fused q/k/v and gate/up products, MKL's
-   packed float32 weights, and both; the bfloat16 rollout (``rollout.dtype``) with plain products,
+   packed float32 weights, oneDNN's, and each packed and fused; the bfloat16 rollout (``rollout.dtype``) with plain products,
    oneDNN's packed weights, and packed and fused (bfloat16's default); ``model.generate`` as the reference.
 3. **GRPO against TRL** (``benchmarks/grpo_vs_trl.py``'s two runners, same settings both sides, the
    demo's digit-reversal prompts rendered with the model's chat template): seconds per step, and the
@@ -80,8 +80,14 @@ def rollout_variants(only: str | None = None) -> list[tuple[str, str, dict[str, 
         ),
         ("inverse-CDF sampling", "float32", {"fuse": False, "packing": "plain"}),
         ("+ fused q/k/v, gate/up", "float32", {"fuse": True, "packing": "plain"}),
-        ("+ MKL-packed weights", "float32", {"fuse": False, "packing": "auto"}),
-        ("+ MKL-packed and fused", "float32", {"fuse": True, "packing": "auto"}),
+        ("+ MKL-packed weights", "float32", {"fuse": False, "packing": "mkl"}),  # the default on Intel CPUs
+        ("+ MKL-packed and fused", "float32", {"fuse": True, "packing": "mkl"}),
+        ("+ oneDNN-packed weights, separate", "float32", {"fuse": False, "packing": "onednn"}),
+        (
+            "+ oneDNN-packed and fused",
+            "float32",
+            {"fuse": True, "packing": "onednn"},
+        ),  # the default elsewhere
         ("bfloat16, plain products", "bfloat16", {"fuse": False, "packing": "plain"}),
         ("bfloat16, oneDNN-packed, separate", "bfloat16", {"fuse": False, "packing": "auto"}),
         ("bfloat16, oneDNN-packed and fused", "bfloat16", {"fuse": True, "packing": "auto"}),  # the default

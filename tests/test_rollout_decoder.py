@@ -136,11 +136,12 @@ def test_the_comparison_catches_each_fused_path_with_its_weights_misordered(path
 
 def test_auto_chooses_the_layout_torch_reports_this_cpu_computes() -> None:
     """On this CPU, whatever it is: MKL for float32 where torch has it on an Intel CPU, oneDNN for
-    bfloat16 and float16 where torch's oneDNN supports them here, else the weights as they are; on a GPU
-    always plain."""
+    float32 elsewhere and for bfloat16 and float16 where torch's oneDNN supports them here, else the
+    weights as they are; on a GPU always plain."""
     intel = "intel" in torch.cpu.get_capabilities()["cpu_name"].lower()
     mkl = torch.backends.mkl.is_available() and intel
-    assert default_packing(torch.float32) == ("mkl" if mkl else "plain")
+    onednn = torch.backends.mkldnn.is_available()
+    assert default_packing(torch.float32) == ("mkl" if mkl else "onednn" if onednn else "plain")
     for dtype, supported in (
         (torch.bfloat16, torch.ops.mkldnn._is_mkldnn_bf16_supported()),
         (torch.float16, torch.ops.mkldnn._is_mkldnn_fp16_supported()),
@@ -150,12 +151,17 @@ def test_auto_chooses_the_layout_torch_reports_this_cpu_computes() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cpu_name", "packing"), [("Intel(R) Xeon(R) Platinum 8488C", "mkl"), ("AMD EPYC 9R14", "plain")]
+    ("cpu_name", "packing"), [("Intel(R) Xeon(R) Platinum 8488C", "mkl"), ("AMD EPYC 9R14", "onednn")]
 )
-def test_float32_weights_take_mkls_layout_on_intel_cpus_only(monkeypatch, cpu_name, packing) -> None:
-    """MKL's packed kernels are Intel's: elsewhere the packed layout decoded slower than plain products."""
-    if not torch.backends.mkl.is_available():
-        pytest.skip(f"this torch ({torch.__version__}) was built without MKL: float32 is plain everywhere")
+def test_float32_weights_take_mkls_layout_on_intel_cpus_and_onednns_elsewhere(
+    monkeypatch, cpu_name, packing
+) -> None:
+    """MKL's packed kernels are Intel's: elsewhere its packed layout decoded slower than plain products,
+    and oneDNN's (which picks its kernels by instruction set, not vendor) twice as fast."""
+    if not (torch.backends.mkl.is_available() and torch.backends.mkldnn.is_available()):
+        pytest.skip(
+            f"this torch ({torch.__version__}) lacks MKL or oneDNN: float32 has one packed layout at most"
+        )
     capabilities = torch.cpu.get_capabilities() | {"cpu_name": cpu_name}
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
     assert default_packing(torch.float32) == packing
@@ -193,7 +199,7 @@ def test_on_a_cpu_without_half_precision_kernels_auto_decodes_plainly_and_forcin
     ("packing", "dtype", "device", "expected"),
     [
         ("mkl", torch.bfloat16, "cpu", "mkl lays out float32 weights, and these are bfloat16: use onednn, plain or auto"),
-        ("onednn", torch.float32, "cpu", "onednn lays out bfloat16 and float16 weights, and these are float32: use mkl, plain or auto"),
+        ("mkl", torch.float16, "cpu", "mkl lays out float32 weights, and these are float16: use onednn, plain or auto"),
         ("onednn", torch.bfloat16, "cuda", "onednn lays out weights for a CPU's kernels, and these are on cuda: use plain or auto (a GPU's kernels read the weights as they are)"),
         ("packed", torch.float32, "cpu", "'packed' is not a weight layout: use auto, plain, mkl, onednn"),
     ],
@@ -423,17 +429,19 @@ def hf_output(qwen2_dir) -> dict:
 
 @pytest.mark.parametrize(
     ("weight_packing", "fused_projections"),
-    [("auto", "auto"), ("plain", False), ("plain", True), ("mkl", False), ("mkl", True)],
+    [("auto", "auto"), ("plain", False), ("plain", True), ("mkl", False), ("mkl", True), ("onednn", "auto")],
 )
 def test_the_rollout_samples_the_same_tokens_on_the_path_its_options_choose(
     qwen2_dir, hf_output, weight_packing, fused_projections
 ) -> None:
-    if weight_packing == "mkl":
-        runnable(DecoderPath(torch.float32, "mkl", fused_projections))
+    if weight_packing != "auto":
+        fused_projections = weight_packing == "onednn" if fused_projections == "auto" else fused_projections
+        runnable(DecoderPath(torch.float32, weight_packing, fused_projections))
     options = {"weight_packing": weight_packing, "fused_projections": fused_projections}
     lean, lean_output = rollout_output(qwen2_dir, **options)
     if weight_packing == "auto":  # the path of weights large enough to pack (these tiny ones stay plain)
-        assert lean._decoder.path == DecoderPath(torch.float32, default_packing(torch.float32), False)
+        packing = default_packing(torch.float32)
+        assert lean._decoder.path == DecoderPath(torch.float32, packing, packing == "onednn")
     else:
         assert lean._decoder.path == DecoderPath(torch.float32, weight_packing, fused_projections)
     assert torch.equal(lean_output["responses"], hf_output["responses"])

@@ -15,11 +15,14 @@ import attrs
 from verl_core.config.validators import non_negative
 
 #: How ``LeanDecoder`` lays out the weights its products read: as they are (``plain``), MKL's packed
-#: float32 layout (``mkl``), oneDNN's blocked bfloat16/float16 layout (``onednn``).
+#: float32 layout (``mkl``), oneDNN's blocked float32/bfloat16/float16 layout (``onednn``).
 Packing = Literal["plain", "mkl", "onednn"]
 PACKINGS: tuple[Packing, ...] = typing.get_args(Packing)
 #: The weight dtypes each packed layout serves, by name (no torch here).
-PACKED_DTYPE_NAMES: dict[Packing, tuple[str, ...]] = {"mkl": ("float32",), "onednn": ("bfloat16", "float16")}
+PACKED_DTYPE_NAMES: dict[Packing, tuple[str, ...]] = {
+    "mkl": ("float32",),
+    "onednn": ("float32", "bfloat16", "float16"),
+}
 
 
 def packing_dtype_problem(packing: str, dtype: str, where: str = "") -> str | None:
@@ -50,11 +53,12 @@ class HFRolloutConfig:
     lean_decoder: bool = True
     #: With ``lean_decoder``, the layout of the weights its products read (``decoder.Packing``).
     #: ``auto``: on a CPU, a second copy of each weight of at least 300k elements
-    #: (``PACKED_MIN_ELEMENTS``) laid out for MKL's float32 or oneDNN's bfloat16/float16 kernels where
-    #: torch reports this CPU has them, else the weights as they are (``decoder.default_packing``);
-    #: ``plain``: no copy (saves its memory: as much again as those weights); ``mkl`` (float32) or
-    #: ``onednn`` (bfloat16, float16): every weight in that layout, refused at start-up, saying why,
-    #: where the rollout's dtype or this CPU has no such kernels.
+    #: (``PACKED_MIN_ELEMENTS``) laid out for MKL's float32 kernels on an Intel CPU, oneDNN's float32
+    #: kernels on others, oneDNN's bfloat16/float16 kernels where torch reports this CPU has them, else
+    #: the weights as they are (``decoder.default_packing``); ``plain``: no copy (saves its memory: as
+    #: much again as those weights); ``mkl`` (float32) or ``onednn`` (float32, bfloat16, float16): every
+    #: weight in that layout, refused at start-up, saying why, where the rollout's dtype or this CPU has
+    #: no such kernels.
     weight_packing: Literal["auto", "plain", "mkl", "onednn"] = "auto"
     #: With ``lean_decoder``, compute q/k/v and gate/up as one product each. ``auto``: where the weights
     #: are oneDNN-packed (the packed copy is then the fused weight, at no memory cost); ``true`` keeps a

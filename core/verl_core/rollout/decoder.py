@@ -18,13 +18,13 @@ and one SDPA call per layer.
 
 Its matrix products (``Projection``) take one of the decoder's paths (``DecoderPath``): the weights'
 dtype, their layout (``Packing``: as they are, or on a CPU a copy laid out for MKL's float32 or
-oneDNN's bfloat16/float16 kernels, remade whenever a weight changes, so a weight update is seen by the
-next step), and q/k/v and gate/up computed as one product each (fused) or not. ``packing="auto"``
+oneDNN's float32/bfloat16/float16 kernels, remade whenever a weight changes, so a weight update is seen
+by the next step), and q/k/v and gate/up computed as one product each (fused) or not. ``packing="auto"``
 chooses the layout from the device and what torch reports this CPU's kernels support
-(``default_packing``; MKL's only on an Intel CPU), for weights large enough to pay for a copy; fused
-by default only where the copy is oneDNN's, which is then the fused weight at no memory cost. A forced path the machine cannot
-run is refused, saying why (``packing_problem``). What each choice gained, on which CPU:
-docs/benchmarks.md ("The decoder's paths").
+(``default_packing``; for float32 MKL's on an Intel CPU, oneDNN's on others), for weights large enough
+to pay for a copy; fused by default only where the copy is oneDNN's, which is then the fused weight at
+no memory cost. A forced path the machine cannot run is refused, saying why (``packing_problem``).
+What each choice gained, on which CPU: docs/benchmarks.md ("The decoder's paths").
 
 ``LeanDecoder.for_model(model)`` returns ``None`` for a model it does not cover (another
 architecture, sliding-window layers, a rotary scaling that depends on the sequence length, biases
@@ -520,8 +520,8 @@ def default_packing(dtype: torch.dtype, device: torch.device | str = "cpu") -> P
     """The layout ``auto`` chooses for ``dtype`` weights on ``device``: the packed one that serves the
     dtype where this machine can compute it (``packing_problem``) and gains there, else ``plain`` (a
     GPU's kernels read the weights as they are; a CPU whose oneDNN has no kernels for the dtype, such as
-    bfloat16 on one with AVX2 only; MKL's float32 layout off an Intel CPU, ``mkl_packs_fast``). Decided
-    from what torch reports."""
+    bfloat16 on one with AVX2 only). float32 takes MKL's layout on an Intel CPU (``mkl_packs_fast``) and
+    oneDNN's on others. Decided from what torch reports."""
     for packing, dtypes in PACKED_DTYPES.items():
         if packing == "mkl" and not mkl_packs_fast():
             continue
@@ -532,9 +532,10 @@ def default_packing(dtype: torch.dtype, device: torch.device | str = "cpu") -> P
 
 def mkl_packs_fast() -> bool:
     """Whether torch reports an Intel CPU, whose MKL packed float32 kernels beat plain products at a
-    decoding step's rows. MKL takes generic code paths on other vendors' CPUs: on an AMD EPYC with
-    AVX-512 the packed layout decoded SmolLM2-135M 21% slower than plain products (docs/benchmarks.md,
-    "The decoder's paths")."""
+    decoding step's rows (and oneDNN's there). MKL takes generic code paths on other vendors' CPUs,
+    oneDNN picks its kernels by instruction set: on an AMD EPYC with AVX-512 MKL's packed layout decoded
+    SmolLM2-135M 21% slower than plain products, oneDNN's float32 products of a 16-row step ran 2.5x
+    faster than plain ones (docs/benchmarks.md, "The decoder's paths")."""
     try:
         name = str(torch.cpu.get_capabilities().get("cpu_name", ""))
     except (AttributeError, RuntimeError):  # a torch or platform that does not say
@@ -581,7 +582,10 @@ CPU_FEATURES = ("avx2", "avx512_f", "avx512_bf16", "avx512_fp16", "avx_ne_conver
 
 
 def _onednn_supports(dtype: torch.dtype) -> bool:
-    """Whether torch's oneDNN has kernels for ``dtype`` products on this CPU."""
+    """Whether torch's oneDNN has kernels for ``dtype`` products on this CPU (float32's run on every
+    CPU torch runs on)."""
+    if dtype == torch.float32:
+        return True
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())

@@ -19,6 +19,7 @@ from verl_core.data import (
     TOP_K_LOG_PROBS,
     responses_batch,
 )
+from verl_core.data.batch import UID, groups_without_one_prompt, join_prompts_and_responses
 from verl_core.engine import top_k_option
 from verl_core.testing import collate, make_samples, response_token_mask, save_tiny_models
 from verl_core.testing.tiny import VOCAB_SIZE
@@ -319,3 +320,32 @@ def test_a_top_k_that_is_not_a_count_is_refused_naming_the_key(value) -> None:
     batch.set_non_tensor(TOP_K, value)
     with pytest.raises(ValueError, match=r"the batch's 'top_k' is .*: it must be an int >= 0"):
         top_k_option(batch)
+
+
+@given(
+    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    rewritten=st.sets(st.integers(0, 15), max_size=4),
+    prompt_width=st.integers(1, 4),
+)
+def test_groups_without_one_prompt_are_exactly_those_with_a_rewritten_sample(
+    sizes, rewritten, prompt_width
+) -> None:
+    """Each group's samples hold its prompt; the rows in ``rewritten`` get another first prompt token: the
+    groups reported are the ones holding such a row that is not its group's only row, each with all its
+    rows; a group of one sample always holds one prompt."""
+    uid = torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes))
+    rows = len(uid)
+    prompts = (uid[:, None] * 10 + torch.arange(prompt_width)[None]) % 97 + 1
+    prompts[[row for row in rewritten if row < rows], 0] += 100
+    responses = torch.ones(rows, 2, dtype=torch.long)
+    batch = join_prompts_and_responses(
+        prompts, torch.ones_like(prompts), responses, torch.ones_like(responses)
+    )
+    batch[UID] = uid
+    expected = {}
+    for group in range(len(sizes)):
+        members = (uid == group).nonzero().flatten().tolist()
+        changed = [row for row in members if row in rewritten]
+        if 0 < len(changed) < len(members):
+            expected[group] = members
+    assert groups_without_one_prompt(batch) == expected

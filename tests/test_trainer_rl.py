@@ -330,3 +330,28 @@ def test_a_fresh_run_refuses_to_save_among_an_earlier_runs_checkpoints(demo, tmp
     with pytest.raises(ConfigError, match=r"trainer\.checkpoint_dir: .* holds checkpoints of an earlier run"):
         trainer_for(demo, tmp_path, **fresh).fit()
     trainer_for(demo, tmp_path, **(fresh | {"trainer.save_freq": 0})).fit()  # saves nothing: no mix-up
+
+
+def test_a_group_whose_samples_came_back_with_other_prompts_is_named_once_and_still_trains(
+    demo, tmp_path, capsys
+) -> None:
+    """A rollout that rewrote one sample's prompt: the group is named with its rows (once per run), and the
+    update runs on the prompts as returned (sharing goes by tokens, so that sample keeps its own)."""
+    trainer = trainer_for(demo, tmp_path)
+    generate = trainer._generate
+
+    def rewriting(prompts, sampling, seed):
+        batch = generate(prompts, sampling, seed)
+        last_prompt_token = batch["input_ids"].shape[1] - batch["responses"].shape[1] - 1
+        batch["input_ids"][1, last_prompt_token] += 1  # sample 1 of group 0 (left-padded: a real token)
+        return batch
+
+    trainer._generate = rewriting
+    try:
+        trainer.fit()
+    finally:
+        trainer.shutdown()
+    err = capsys.readouterr().err
+    assert err.count("do not share one prompt") == 1, err  # two steps, one warning
+    assert "1 group(s) of the rollout's responses do not share one prompt (group 0: rows [0, 1, 2, 3])" in err
+    assert len(metrics_lines(tmp_path)) == 2

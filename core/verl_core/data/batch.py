@@ -209,6 +209,23 @@ def prompt_groups(
     return torch.unique(prompts, dim=0, return_inverse=True)[1]
 
 
+def groups_without_one_prompt(batch: TensorDict) -> dict[int, list[int]]:
+    """The ``UID`` groups whose rows do not all hold the same prompt (tokens and padding), each with its
+    rows: a rollout or collector that changed some samples' prompts. Sharing goes by the tokens
+    (``prompt_groups``), so these rows are computed with their own prompts, never a sibling's."""
+    if UID not in batch.keys():
+        return {}
+    prompts = prompt_groups(batch[INPUT_IDS], batch[ATTENTION_MASK], batch[RESPONSES].shape[-1]).tolist()
+    members: dict[int, dict[int, list[int]]] = {}
+    for row, (group, prompt) in enumerate(zip(batch[UID].tolist(), prompts, strict=True)):
+        members.setdefault(group, {}).setdefault(prompt, []).append(row)
+    return {
+        group: sorted(row for rows in by_prompt.values() for row in rows)
+        for group, by_prompt in members.items()
+        if len(by_prompt) > 1
+    }
+
+
 def left_pad(
     sequences: list[list[int]] | list[torch.Tensor], pad_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

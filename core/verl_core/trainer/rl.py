@@ -59,6 +59,7 @@ from verl_core.data.batch import (
     UID,
     VALUES,
     concat_batches,
+    groups_without_one_prompt,
 )
 from verl_core.data.dataset import PromptDataset, PromptRow, load_prompt_datasets
 from verl_core.data.sampler import sequential_batches
@@ -159,6 +160,7 @@ class RLTrainer(Trainer):
         self.agent_loop = build_agent_loop(config, tokenizer, self.sampling, registry, environment_factory)
         self.global_step = 0
         self._reward_failure_shown = False
+        self._mixed_prompts_shown = False
         #: The last step's whole batch (responses, scores, advantages), for inspection.
         self.last_batch: TensorDict | None = None
 
@@ -486,7 +488,23 @@ class RLTrainer(Trainer):
         else:
             batch, conversations = run_conversations(self.agent_loop, self._generate, rows, n, sampling, seed)
         batch[UID] = torch.arange(len(rows)).repeat_interleave(n)
+        self._warn_groups_without_one_prompt(batch)
         return batch, conversations
+
+    def _warn_groups_without_one_prompt(self, batch: TensorDict) -> None:
+        """Once per run: the groups whose samples came back with different prompts (a rollout backend or
+        collector that rewrote some), named with their rows; they train with their own prompts."""
+        mixed = groups_without_one_prompt(batch)
+        if not mixed or self._mixed_prompts_shown:
+            return
+        self._mixed_prompts_shown = True
+        named = "; ".join(f"group {group}: rows {rows}" for group, rows in list(mixed.items())[:5])
+        console.warn(
+            f"{len(mixed)} group(s) of the rollout's responses do not share one prompt ({named}): their "
+            "samples' prompt tokens differ, so each is trained with its own prompt instead of one shared "
+            f"copy (slower, still exact). The rollout ({self.config.rollout.backend}) should return each "
+            "prompt as it was given; later steps are not warned about."
+        )
 
     def score(self, batch: TensorDict, rows: list[PromptRow]) -> tuple[torch.Tensor, dict[str, float]]:
         # rows[i] is the prompt of the responses whose UID is i.

@@ -167,6 +167,8 @@ def run_ours(
         "trainer.checkpoint_dir": str(work / "checkpoints"),
         "trainer.logger": "[]",
         "trainer.save_hf_model": "false",
+        # Both sides share this process's allocator (``use_allocator``): ours must not change it midway.
+        "trainer.reuse_freed_memory": "false",
     }
     values |= overrides or {}
     config = load_config([], [f"{key}={value}" for key, value in values.items()])
@@ -398,6 +400,31 @@ def best_of(results: dict[int, dict]) -> tuple[int, dict]:
     return threads, results[threads]
 
 
+#: ``--allocator``: how this process's ``malloc`` treats freed memory, for both trainers alike.
+ALLOCATORS = ("kept", "default")
+
+
+def use_allocator(choice: str) -> None:
+    """``kept``: freed memory kept for reuse (this trainer's default on a CPU, ``trainer.reuse_freed_memory``;
+    TRL runs on it too, as it would under a ``MALLOC_MMAP_THRESHOLD_`` setting); ``default``: glibc's own
+    (large blocks given back at every ``free``). Set once, before either side runs."""
+    if choice == "kept":
+        from verl_core.toolkit.allocator import keep_freed_memory
+
+        if not keep_freed_memory():
+            print("--allocator kept: this C library is not glibc on Linux; its own allocator runs")
+
+
+def allocator_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--allocator",
+        choices=ALLOCATORS,
+        default="kept",
+        help="kept: freed memory kept for reuse (this trainer's CPU default, trainer.reuse_freed_memory), "
+        "for both trainers; default: glibc's own allocator for both (docs/benchmarks.md)",
+    )
+
+
 def phase_line(phases: dict[str, float], step_s: float) -> str:
     return ", ".join(f"{name} {seconds:.3f} s ({seconds / step_s:.0%})" for name, seconds in phases.items())
 
@@ -437,8 +464,10 @@ def main() -> int:
         "with vLLM on both sides (ours: rollout.backend=vllm; TRL: use_vllm, vllm_mode=colocate)",
     )
     parser.add_argument("--no-trl", action="store_true", help="run this trainer only")
+    allocator_argument(parser)
     parser.add_argument("--json", action="store_true", help="print every figure as one JSON object, last")
     args = parser.parse_args()
+    use_allocator(args.allocator)
     sizes = [size.strip() for size in args.sizes.split(",") if size.strip()]
     unknown = sorted(set(sizes) - set(SIZES))
     if unknown:

@@ -324,8 +324,10 @@ def main() -> int:
         help="GRPO: also both trainers generating with vLLM (ours: rollout.backend=vllm; TRL: use_vllm, "
         "vllm_mode=colocate), each run in a fresh process; TRL's error is reported where it fails",
     )
+    grpo_vs_trl.allocator_argument(parser)
     parser.add_argument("--json", action="store_true", help="print every figure as one JSON object, last")
     args = parser.parse_args()
+    grpo_vs_trl.use_allocator(args.allocator)
     if args.grpo_rounds < 1:
         parser.error("--grpo-rounds must be at least 1")
     if args.tokens < 2:
@@ -335,7 +337,12 @@ def main() -> int:
         return 2
     torch.set_num_threads(args.threads)
     machine = machine_description()
-    report: dict[str, Any] = {"model": str(model_dir), "threads": args.threads, "machine": machine}
+    report: dict[str, Any] = {
+        "model": str(model_dir),
+        "threads": args.threads,
+        "machine": machine,
+        "allocator": args.allocator,
+    }
     limits = machine_limits(rounds=5)
     report["limits"] = limits
     print(
@@ -343,7 +350,9 @@ def main() -> int:
         f"{machine['cpu']}, {machine['cores']} cores, flags {' '.join(machine['flags'])} "
         f"(torch CPU capability {machine['torch_capability']})\n"
         f"limits: streaming read {limits['stream_GBps']:.1f} GB/s, matmul float32 "
-        f"{limits['matmul_float32_GFLOPs']:.0f} GFLOP/s, bfloat16 {limits['matmul_bfloat16_GFLOPs']:.0f} GFLOP/s"
+        f"{limits['matmul_float32_GFLOPs']:.0f} GFLOP/s, bfloat16 {limits['matmul_bfloat16_GFLOPs']:.0f} GFLOP/s\n"
+        f"allocator: {args.allocator} (freed memory {'kept for reuse' if args.allocator == 'kept' else 'glibc default'}, "
+        "both trainers)"
     )
     if not args.skip_rollout:
         rollout = measure_rollout(model_dir, args, limits)

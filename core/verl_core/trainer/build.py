@@ -10,6 +10,7 @@ from verl_core.config.engine import ModelConfig
 from verl_core.config.paths import absolute_path, absolute_paths
 from verl_core.config.run import RunConfig
 from verl_core.errors import ConfigError
+from verl_core.toolkit.allocator import keep_freed_memory
 from verl_core.workers.group import InProcessWorkerGroup, WorkerGroup
 from verl_core.workers.ranks import ActorWorker, CriticWorker, TeacherWorker
 from verl_core.workers.replicas import REQUEST_CONCURRENCY, RolloutReplicas, RolloutReplicaWorker
@@ -273,6 +274,8 @@ class WorkerMaker:
     def __call__(self) -> Any:
         if self.config.trainer.workers == "ray":  # a rank's own process: the run's console is the driver's
             quiet_progress_bars()
+        if self.config.trainer.reuses_freed_memory(self.config.actor.engine.device):
+            keep_freed_memory()
         return self.worker_class(self.config, self.registry, *self.args)
 
 

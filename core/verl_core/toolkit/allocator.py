@@ -25,24 +25,22 @@ TRIM_THRESHOLD_BYTES = (1 << 31) - 1
 
 def keep_freed_memory() -> bool:
     """Make this process's ``malloc`` keep freed memory for reuse (both thresholds above). Returns
-    whether it did: ``False`` off Linux or where the C library has no glibc ``mallopt`` (musl's ignores
-    these settings)."""
-    if not sys.platform.startswith("linux"):
+    whether it did: ``False`` where the C library is not glibc (musl's ``mallopt`` ignores these
+    settings; other systems have none)."""
+    libc = _glibc()
+    if libc is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    if not _is_glibc():
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
-        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     )
 
 
-def _is_glibc() -> bool:
+def _glibc() -> ctypes.CDLL | None:
+    """This process's C library where it is glibc on Linux (it defines ``gnu_get_libc_version``)."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        ctypes.CDLL(None).gnu_get_libc_version  # noqa: B018 (a lookup: glibc defines it, musl not)
-    except AttributeError:
-        return False
-    return True
+        libc = ctypes.CDLL(None)
+    except OSError:
+        return None
+    return libc if hasattr(libc, "gnu_get_libc_version") else None

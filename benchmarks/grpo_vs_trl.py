@@ -373,12 +373,15 @@ def run_trl_vllm(paths: Any, work: Path, args: argparse.Namespace, threads: int)
     return run_trl(paths, work, args, threads, vllm=True)
 
 
-def in_fresh_process(run, paths: Any, *arguments) -> dict:
+def in_fresh_process(run, paths: Any, *arguments, allocator: str) -> dict:
     """``run(paths, *arguments)`` in a new process (spawned: nothing of this one's vLLM state, threads or
-    RNG comes along); its result, or its exception raised here. ``paths``: its ``model`` and ``train``."""
+    RNG comes along) on the ``--allocator`` ``allocator``, as the runs in this process; its result, or its
+    exception raised here. ``paths``: its ``model`` and ``train``."""
     paths = types.SimpleNamespace(model=paths.model, train=paths.train)  # make_demo's class is not importable
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=1, mp_context=context, initializer=use_allocator, initargs=(allocator,)
+    ) as pool:
         return pool.submit(run, paths, *arguments).result()
 
 
@@ -545,7 +548,9 @@ def main() -> int:
                             )
                             continue
                         try:
-                            result = in_fresh_process(runners[side], paths, work, args, threads)
+                            result = in_fresh_process(
+                                runners[side], paths, work, args, threads, allocator=args.allocator
+                            )
                         except Exception as exc:
                             if side == "ours":
                                 raise

@@ -238,7 +238,7 @@ def measure_grpo(model_dir: Path, args: argparse.Namespace, limits: dict[str, fl
             ):
                 if side == "ours_vllm" or version is not None:
                     runs[side] = lambda work, runner=runner: grpo_vs_trl.in_fresh_process(
-                        runner, paths, work, settings, args.threads
+                        runner, paths, work, settings, args.threads, allocator=args.allocator
                     )
         # Rounds alternate the order; each side keeps its fastest round (the least disturbed by other
         # jobs: sampling is seeded, so every round generates the same tokens).

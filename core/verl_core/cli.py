@@ -244,6 +244,17 @@ def _load_run_config(args: argparse.Namespace, rl_rules: bool = True, quiet: boo
     a second load of the same config)."""
     # The loader imports cattrs and yaml: only the commands that load a config pay for them.
     from verl_core.config import load_config
+
+    return _load_config_arguments(
+        args, lambda paths, overrides: load_config(paths, overrides, rl_rules=rl_rules), quiet
+    )
+
+
+def _load_config_arguments(
+    args: argparse.Namespace, load: Callable[[list[str], list[str]], Any], quiet: bool = False
+) -> Any:
+    """``load(paths, overrides)`` of ``args.items`` (files and overrides) and ``args.override``, or
+    ``None`` after printing every error; ignored options printed as warnings (unless ``quiet``)."""
     from verl_core.config.loading import OVERRIDES_SOURCE, looks_like_key
     from verl_core.errors import ConfigError, ConfigWarning
 
@@ -268,7 +279,7 @@ def _load_run_config(args: argparse.Namespace, rl_rules: bool = True, quiet: boo
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigWarning)
         try:
-            config, error = load_config(paths, overrides + args.override, rl_rules=rl_rules), None
+            config, error = load(paths, overrides + args.override), None
         except ConfigError as exc:
             config, error = None, exc
     for warning in (
@@ -568,8 +579,6 @@ def _stopped_message(config: Any, trainer: Any, code: int) -> str:
 
 def _run_serve(args: argparse.Namespace) -> int:
     from verl_core.config import load_serve_config
-    from verl_core.config.loading import OVERRIDES_SOURCE, looks_like_key
-    from verl_core.errors import ConfigError
 
     if not args.items and not args.override:
         print(
@@ -577,21 +586,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    paths = [item for item in args.items if "=" not in item]
-    overrides = [item for item in args.items if "=" in item] + args.override
-    mistaken = [item for item in paths if not os.path.exists(item) and looks_like_key(item)]
-    try:
-        if mistaken:
-            raise ConfigError(
-                [
-                    ("", f"{item!r} is not a file and looks like an override missing '=': write key=value")
-                    for item in mistaken
-                ],
-                source=OVERRIDES_SOURCE,
-            )
-        config = load_serve_config(paths, overrides)
-    except ConfigError as error:
-        print(error, file=sys.stderr)
+    config = _load_config_arguments(args, load_serve_config)
+    if config is None:
         return 2
     from verl_core.service import ServiceClient
     from verl_core.service.server import TinkerServer

@@ -494,8 +494,10 @@ class RLTrainer(Trainer):
     def _warn_groups_without_one_prompt(self, batch: TensorDict) -> None:
         """Once per run: the groups whose samples came back with different prompts (a rollout backend or
         collector that rewrote some), named with their rows; they train with their own prompts."""
+        if self._mixed_prompts_shown:
+            return
         mixed = groups_without_one_prompt(batch)
-        if not mixed or self._mixed_prompts_shown:
+        if not mixed:
             return
         self._mixed_prompts_shown = True
         named = "; ".join(f"group {group}: rows {rows}" for group, rows in list(mixed.items())[:5])

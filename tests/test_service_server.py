@@ -12,7 +12,6 @@ import contextlib
 import http.client
 import json
 import math
-import os
 import re
 import signal
 import socket
@@ -34,7 +33,7 @@ pytest.importorskip(
 )
 
 from fixtures.demo import build_small_demo  # noqa: E402
-from fixtures.sockets import describe, install_spy, recorded  # noqa: E402
+from fixtures.sockets import describe, recorded, spied_environment  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from tinker import types  # noqa: E402
@@ -146,11 +145,8 @@ def served(tmp_path_factory):
             }
         )
     )
-    spy, log = install_spy(folder / "spy"), folder / "sockets.jsonl"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(spy), os.environ.get("PYTHONPATH", "")]),
-        "VERL_TEST_SOCKET_LOG": str(log),
+    env, log = spied_environment(folder)
+    env |= {
         "VERL_CORE_SERVE_TOKEN": TOKEN,  # the config leaves token empty: the environment gives it
         "HF_HUB_OFFLINE": "1",
         "TINKER_API_KEY": TOKEN,

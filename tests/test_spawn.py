@@ -153,6 +153,36 @@ def test_a_hang_ends_at_the_timeout_with_the_ranks_stacks(tmp_path, marker) -> N
     assert_nothing_left(marker, workdir, range(1))
 
 
+def waits_for_a_step_rank_one_skipped(rank: Rank) -> None:
+    """Rank 1 skips a step (an exception it caught and went on from) and finishes; rank 0 waits for
+    it there (a key of the store stands in for the collective)."""
+    from datetime import timedelta
+
+    if rank.rank == 1:
+        print("rank 1 skipped the step: the reason it gave", file=sys.stderr)
+        return
+    rank.store.wait(["the skipped step"], timedelta(seconds=600))
+
+
+def test_a_hang_behind_a_finished_rank_names_it_and_carries_its_log(tmp_path) -> None:
+    """The rank that finished is where the reason is (what it skipped), not the one left waiting."""
+    for attempt, timeout_s in enumerate(HANG_TIMEOUTS_S):
+        with pytest.raises(SpawnError) as caught:
+            spawn(
+                waits_for_a_step_rank_one_skipped,
+                world_size=2,
+                workdir=tmp_path / f"try{attempt}",
+                timeout_s=timeout_s,
+            )
+        if "had finished" in str(caught.value):  # rank 1 got there before the timeout
+            break
+    message = str(caught.value)
+    assert caught.value.unfinished == [0] and not caught.value.failed
+    assert "rank(s) [1] had finished: the others may wait in a collective that these never joined" in message
+    assert "rank 1 skipped the step: the reason it gave" in message
+    assert "in waits_for_a_step_rank_one_skipped" in message  # rank 0's stacks, where it waits
+
+
 LAUNCHER = """
 import sys
 sys.path.insert(0, {tests!r})

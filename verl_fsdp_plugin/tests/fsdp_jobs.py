@@ -14,6 +14,7 @@ import collections
 import contextlib
 import copy
 import json
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -722,6 +723,9 @@ def outcome(prop: Property, ctx: RankContext) -> str | None:
     try:
         prop(ctx)
     except Exception:
+        # Also into the rank's log: a property that fails on one rank alone leaves the others in its
+        # collectives, and the timeout's report carries the logs, not this rank's results file.
+        print(f"{prop.__name__} failed on rank {ctx.rank}:\n{traceback.format_exc()}", file=sys.stderr)
         return traceback.format_exc()
     return None
 

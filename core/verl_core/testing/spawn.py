@@ -12,6 +12,8 @@ rank has finished. It is built so that a distributed test can fail but never han
 - a rank that raises makes the others be killed at once (they may wait in a collective it never
   joins); a rank that fails because another one did (its collective saw the peer leave) is told
   apart from the one that failed first, by when each failed;
+- a timeout while some ranks had finished names them and carries their logs too: the others may
+  wait in a collective that these skipped (an exception that one rank caught and went on from);
 - the ranks run under the caller's warning filters (``-W error``, a test's ``filterwarnings`` marks), so
   a test that turns warnings into errors does so in its ranks too;
 - ranks leave with ``os._exit`` after destroying the process group: torch 2.13 can deadlock when
@@ -230,14 +232,23 @@ def spawn(
         problems.append(f"rank(s) {failed} failed ({codes(failed)})")
     if failed_after:
         problems.append(f"rank(s) {failed_after} failed after another rank failed ({codes(failed_after)})")
+    # A timeout with ranks that finished: the others may wait in a collective those never joined (a
+    # step that one rank skipped, an exception caught on it alone), which their logs may say.
+    finished = (
+        [rank for rank, code in sorted(exit_codes.items()) if code == 0] if unfinished and not failed else []
+    )
     if unfinished:
         reason = (
             "were killed after another rank failed" if failed else f"did not finish within {timeout_s:.0f} s"
         )
         problems.append(f"rank(s) {unfinished} {reason}")
+    if finished:
+        problems.append(
+            f"rank(s) {finished} had finished: the others may wait in a collective that these never joined"
+        )
     tails = "\n".join(
         f"--- rank {rank} ({log_path(workdir, rank)}):\n{_tail(log_path(workdir, rank))}"
-        for rank in failed + failed_after + unfinished
+        for rank in failed + failed_after + unfinished + finished
     )
     raise SpawnError(
         f"{'; '.join(problems)}\n{tails}", failed, unfinished if not failed else [], failed_after

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -648,5 +649,7 @@ def run_job(rank: Rank, job: str, workdir: str) -> None:
         try:
             results[prop.__name__] = {"error": None, "figures": prop(ctx)}
         except Exception:
+            # Also into the rank's log, which a timeout's report carries (see fsdp_jobs.outcome).
+            print(f"{prop.__name__} failed on rank {rank.rank}:\n{traceback.format_exc()}", file=sys.stderr)
             results[prop.__name__] = {"error": traceback.format_exc(), "figures": None}
     (Path(workdir) / f"{job}_rank{rank.rank}.json").write_text(json.dumps(results, indent=2, default=str))

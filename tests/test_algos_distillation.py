@@ -73,8 +73,8 @@ def within_tail_rounding(student_top: torch.Tensor, teacher_top: torch.Tensor) -
     Where the teacher's top-k hold all but 1e-12 of its mass and the student's do not, the tail (and so
     the divergence) is known to no better than that, whatever computes it from top-k log-probs."""
     student_tail, teacher_tail = with_tail(student_top)[..., -1], with_tail(teacher_top)[..., -1]
-    ratio = (student_tail - teacher_tail).exp()
-    return TAIL_ROUNDING * (ratio + 1 / ratio + 2 * (1 + (student_tail - teacher_tail).abs()))
+    log_ratio = student_tail - teacher_tail
+    return TAIL_ROUNDING * (log_ratio.exp() + (-log_ratio).exp() + 2 * (1 + log_ratio.abs()))
 
 
 # -- the distributions under test ------------------------------------------------------------------

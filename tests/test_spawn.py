@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -139,25 +141,42 @@ def test_a_crash_is_reported_with_what_caused_it_not_only_its_last_frames(tmp_pa
 HANG_TIMEOUTS_S = (12, 40, 120)
 
 
-def test_a_hang_ends_at_the_timeout_with_the_ranks_stacks(tmp_path, marker) -> None:
-    # The rank ignores SIGTERM, as do the children it starts.
+def hang_until_reached(
+    function: Callable[[Rank], None],
+    world_size: int,
+    tmp_path: Path,
+    reached: Callable[[SpawnError, Path], bool],
+) -> tuple[SpawnError, Path, int]:
+    """Run ``function`` with each of ``HANG_TIMEOUTS_S`` in turn until its timeout shows the hang
+    ``reached``; the last try's error, its workdir and its timeout."""
     for attempt, timeout_s in enumerate(HANG_TIMEOUTS_S):
         workdir = tmp_path / f"try{attempt}"
         with pytest.raises(SpawnError) as caught:
-            spawn(hangs_with_descendants, world_size=1, workdir=workdir, timeout_s=timeout_s)
-        hanging = "in hangs_with_descendants" in str(caught.value)  # faulthandler's stacks, just before
-        if hanging and descendants_file(workdir, 0).exists():
+            spawn(function, world_size=world_size, workdir=workdir, timeout_s=timeout_s)
+        if reached(caught.value, workdir):
             break
-    assert caught.value.timed_out and f"did not finish within {timeout_s} s" in str(caught.value)
-    assert "in hangs_with_descendants" in str(caught.value)
+    return caught.value, workdir, timeout_s
+
+
+def test_a_hang_ends_at_the_timeout_with_the_ranks_stacks(tmp_path, marker) -> None:
+    # The rank ignores SIGTERM, as do the children it starts.
+    error, workdir, timeout_s = hang_until_reached(
+        hangs_with_descendants,
+        1,
+        tmp_path,
+        # faulthandler's stacks, just before the timeout, and the rank's descendants started
+        lambda error, workdir: (
+            "in hangs_with_descendants" in str(error) and descendants_file(workdir, 0).exists()
+        ),
+    )
+    assert error.timed_out and f"did not finish within {timeout_s} s" in str(error)
+    assert "in hangs_with_descendants" in str(error)
     assert_nothing_left(marker, workdir, range(1))
 
 
 def waits_for_a_step_rank_one_skipped(rank: Rank) -> None:
     """Rank 1 skips a step (an exception it caught and went on from) and finishes; rank 0 waits for
     it there (a key of the store stands in for the collective)."""
-    from datetime import timedelta
-
     if rank.rank == 1:
         print("rank 1 skipped the step: the reason it gave", file=sys.stderr)
         return
@@ -166,18 +185,14 @@ def waits_for_a_step_rank_one_skipped(rank: Rank) -> None:
 
 def test_a_hang_behind_a_finished_rank_names_it_and_carries_its_log(tmp_path) -> None:
     """The rank that finished is where the reason is (what it skipped), not the one left waiting."""
-    for attempt, timeout_s in enumerate(HANG_TIMEOUTS_S):
-        with pytest.raises(SpawnError) as caught:
-            spawn(
-                waits_for_a_step_rank_one_skipped,
-                world_size=2,
-                workdir=tmp_path / f"try{attempt}",
-                timeout_s=timeout_s,
-            )
-        if "had finished" in str(caught.value):  # rank 1 got there before the timeout
-            break
-    message = str(caught.value)
-    assert caught.value.unfinished == [0] and not caught.value.failed
+    error, _, _ = hang_until_reached(
+        waits_for_a_step_rank_one_skipped,
+        2,
+        tmp_path,
+        lambda error, _: "had finished" in str(error),  # rank 1 got there before the timeout
+    )
+    message = str(error)
+    assert error.unfinished == [0] and not error.failed
     assert "rank(s) [1] had finished: the others may wait in a collective that these never joined" in message
     assert "rank 1 skipped the step: the reason it gave" in message
     assert "in waits_for_a_step_rank_one_skipped" in message  # rank 0's stacks, where it waits

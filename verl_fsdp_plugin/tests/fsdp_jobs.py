@@ -725,8 +725,9 @@ def outcome(prop: Property, ctx: RankContext) -> str | None:
     except Exception:
         # Also into the rank's log: a property that fails on one rank alone leaves the others in its
         # collectives, and the timeout's report carries the logs, not this rank's results file.
-        print(f"{prop.__name__} failed on rank {ctx.rank}:\n{traceback.format_exc()}", file=sys.stderr)
-        return traceback.format_exc()
+        reason = traceback.format_exc()
+        print(f"{prop.__name__} failed on rank {ctx.rank}:\n{reason}", file=sys.stderr)
+        return reason
     return None
 
 

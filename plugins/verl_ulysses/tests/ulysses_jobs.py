@@ -650,6 +650,7 @@ def run_job(rank: Rank, job: str, workdir: str) -> None:
             results[prop.__name__] = {"error": None, "figures": prop(ctx)}
         except Exception:
             # Also into the rank's log, which a timeout's report carries (see fsdp_jobs.outcome).
-            print(f"{prop.__name__} failed on rank {rank.rank}:\n{traceback.format_exc()}", file=sys.stderr)
-            results[prop.__name__] = {"error": traceback.format_exc(), "figures": None}
+            reason = traceback.format_exc()
+            print(f"{prop.__name__} failed on rank {rank.rank}:\n{reason}", file=sys.stderr)
+            results[prop.__name__] = {"error": reason, "figures": None}
     (Path(workdir) / f"{job}_rank{rank.rank}.json").write_text(json.dumps(results, indent=2, default=str))
